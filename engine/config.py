@@ -1,0 +1,43 @@
+"""Engine configuration: one frozen value passed explicitly to every part that needs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs.
+
+    ``model_path`` None serves the embedded default model. ``chunk_size`` is the most prompt tokens one step
+    prefills (longer prompts are split into chunks of at most this many tokens); decodes ride along in the
+    same step. ``max_running`` is the number of request slots (requests admitted at once).
+    ``overlap`` plans and launches step N+1 before committing step N.
+    """
+
+    model_path: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int = 4096
+    max_running: int = 128
+    chunk_size: int = 512
+    overlap: bool = True
+    prefix_cache: bool = True
+    seed: int = 0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("page_size", "num_pages", "max_running", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,330 @@
+"""The in-process engine: submit token ids with sampling params, get a stream of outputs; abort by id.
+
+One loop thread drives the scheduler; the runner executes steps on its own worker thread. The overlapped
+loop and the plain loop are the same steps in another order:
+
+    overlap:  plan N+1, launch N+1, commit N    (the forward of N+1 runs while N is committed)
+    plain:    plan N,   launch N,   commit N
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv.pool import KVPool
+from engine.model.embedded import ensure_embedded_model
+from engine.model.loader import load_model
+from engine.model.tokenizer import Tokenizer
+from engine.request import Request, RequestOutput
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import CommitOutcome, Scheduler, SchedulerStats, pages_for
+from engine.step import StepPlan, StepResult
+from engine.stop import Finish, FinishReason, StopChecker
+
+log = logging.getLogger(__name__)
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_path: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: Request
+    sink: OutputSink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    message: str
+
+
+class Engine:
+    """Loads a model (the embedded default when ``config.model_path`` is None) and serves requests."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = torch.device(config.device)
+        path = Path(config.model_path) if config.model_path else ensure_embedded_model(_cache_dir(config))
+        self.tokenizer = Tokenizer.from_dir(path)
+        model, model_config = load_model(path, config.torch_dtype, device)
+        eos = self.tokenizer.eos_token_ids | frozenset(model_config.eos_token_ids)
+        self.info = ModelInfo(
+            model_path=str(path),
+            vocab_size=model_config.vocab_size,
+            max_context=model_config.max_position_embeddings,
+            eos_token_ids=eos,
+            bos_token_id=self.tokenizer.bos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        kv = KVPool(
+            model_config.num_layers,
+            config.num_pages,
+            config.page_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            config.torch_dtype,
+            device,
+        )
+        self.runner = ModelRunner(model, kv, model_config.vocab_size, eos, device)
+        self.scheduler = Scheduler(config)
+        self._lock = threading.Lock()  # guards the scheduler between the loop thread and stats readers
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._stopping = False
+        self._live: set[str] = set()
+        self._sinks: dict[str, OutputSink] = {}
+        self._seeds = itertools.count()
+        self._releases: list[Future[None]] = []
+        self._thread = threading.Thread(target=self._run_loop, name="ordinal-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- public API
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; ``sink`` is called on the loop thread with each output.
+
+        Raises :class:`InvalidRequestError` (naming the field) before anything is allocated.
+        """
+        if self._stopping:
+            raise RuntimeError("the engine is shut down")
+        rid = request_id or uuid.uuid4().hex
+        request = self._validated_request(rid, prompt_ids, params)
+        with self._lock:
+            if rid in self._live:
+                raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
+            self._live.add(rid)
+            self._idle.clear()
+        self._inbox.put(_Add(request, sink))
+        self._wake.set()
+        return rid
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Async stream of outputs. Leaving the iteration early (or cancelling the task) aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        rid = self.submit(prompt_ids, params, sink, request_id)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid, "client cancelled the stream")
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], timeout: float = 600.0
+    ) -> list[RequestOutput]:
+        """Blocking helper: run every prompt to completion, return each final output in order."""
+        done: list[Future[RequestOutput]] = []
+        for prompt, p in zip(prompts, params, strict=True):
+            fut: Future[RequestOutput] = Future()
+            done.append(fut)
+            self.submit(prompt, p, _finish_setter(fut))
+        return [f.result(timeout=timeout) for f in done]
+
+    def abort(self, request_id: str, message: str = "aborted by client") -> bool:
+        """Record an abort; True if the request was in flight. Takes effect before any later commit (C7)."""
+        with self._lock:
+            live = request_id in self._live
+        if live:
+            self._inbox.put(_Abort(request_id, message))
+            self._wake.set()
+        return live
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            return self.scheduler.stats()
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Block until no request is live and no step is in flight (bounded)."""
+        return self._idle.wait(timeout)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+        self.runner.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------- validation
+
+    def _validated_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        prompt = tuple(int(t) for t in prompt_ids)
+        if not prompt:
+            raise InvalidRequestError("input_ids", "must not be empty")
+        vocab = self.info.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("input_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        params.validate(vocab)
+        total = len(prompt) + params.max_new_tokens
+        if total > self.info.max_context:
+            raise InvalidRequestError(
+                "max_new_tokens",
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
+                f"context length {self.info.max_context}",
+            )
+        need = pages_for(total - 1, self.config.page_size)
+        if need > self.config.num_pages:
+            raise InvalidRequestError(
+                "max_new_tokens",
+                f"the request needs {need} KV pages but the pool has {self.config.num_pages}; "
+                "lower max_new_tokens or start the engine with more pages",
+            )
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._seeds)
+        checker = StopChecker(params, self.info.eos_token_ids, self.tokenizer)
+        return Request(request_id=rid, prompt_ids=prompt, params=params, stop_checker=checker, seed=seed)
+
+    # ---------------------------------------------------------------- the loop
+
+    def _run_loop(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # a bug in the loop: end every stream loudly instead of hanging clients
+            log.exception("scheduler loop crashed")
+            self._crashed(f"engine loop crashed: {exc!r}")
+
+    def _crashed(self, message: str) -> None:
+        self._stopping = True
+        finish = Finish(FinishReason.ABORT, message=message)
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            self._live.clear()
+        for rid, sink in sinks.items():
+            sink(RequestOutput(rid, (), "", 0, 0, 0, finish=finish, output_ids=()))
+
+    def _loop(self) -> None:
+        inflight: deque[tuple[StepPlan, Future[StepResult]]] = deque()
+        while not self._stopping:
+            self._wake.clear()  # before draining: a submit after this point wakes the wait below
+            self._drain_inbox()
+            with self._lock:
+                plan = self.scheduler.plan()
+            if plan is not None:
+                inflight.append((plan, self.runner.launch(plan)))
+            # Overlap keeps the step just launched in flight while the one before it is committed.
+            keep = 1 if self.config.overlap and plan is not None else 0
+            while len(inflight) > keep:
+                self._commit(*inflight.popleft())
+            if plan is None and not inflight:
+                self._wait_for_work()
+        while inflight:
+            self._commit(*inflight.popleft())
+        self._abort_all("engine shut down")
+
+    def _commit(self, plan: StepPlan, future: Future[StepResult]) -> None:
+        try:
+            result = future.result()
+        except Exception as exc:  # the executor failed this step: end its requests, keep serving others
+            log.exception("step %d failed", plan.step_id)
+            with self._lock:
+                outcome = self.scheduler.fail_step(plan.step_id, f"executor error: {exc}")
+            self._deliver(outcome)
+            return
+        self._drain_inbox()  # an abort recorded before this commit wins over its result (C7)
+        with self._lock:
+            outcome = self.scheduler.commit(result)
+        self._deliver(outcome)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                if isinstance(msg, _Add):
+                    self._sinks[msg.request.request_id] = msg.sink
+                    outcome = self.scheduler.add(msg.request)
+                else:
+                    outcome = self.scheduler.abort(msg.request_id, msg.message)
+            self._deliver(outcome)
+
+    def _deliver(self, outcome: CommitOutcome) -> None:
+        if outcome.released_slots:
+            for done in [f for f in self._releases if f.done()]:
+                done.result()  # a failed release is a protocol bug: surface it
+                self._releases.remove(done)
+            self._releases.append(self.runner.release(outcome.released_slots))
+        for out in outcome.outputs:
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+                with self._lock:
+                    self._live.discard(out.request_id)
+            if sink is not None:
+                sink(out)
+
+    def _wait_for_work(self) -> None:
+        with self._lock:
+            idle = self.scheduler.idle and not self._live
+        if idle:
+            for release in self._releases:
+                release.result()  # buffers are back before anyone is told the engine is idle
+            self._releases.clear()
+            self._idle.set()
+        self._wake.wait(timeout=0.5)
+
+    def _abort_all(self, message: str) -> None:
+        with self._lock:
+            live = list(self._live)
+        for rid in live:
+            self._inbox.put(_Abort(rid, message))
+        self._drain_inbox()
+
+
+def _finish_setter(fut: Future[RequestOutput]) -> OutputSink:
+    def sink(out: RequestOutput) -> None:
+        if out.finished and not fut.done():
+            fut.set_result(out)
+
+    return sink
+
+
+def _cache_dir(config: EngineConfig) -> Path | None:
+    return Path(config.cache_dir) if config.cache_dir else None

@@ -1,0 +1,108 @@
+"""A request's lifecycle as an explicit state machine, and what the engine streams back for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.kv.prefix_cache import RadixNode
+from engine.sampling_params import SamplingParams
+from engine.stop import Finish, StopChecker
+
+
+class RequestState(enum.Enum):
+    """Where a request is. FINISHING: its finish is decided (or pending, for an abort) but a step that
+    names it may still be in flight, so its pages and slot are kept until that step retires (C9)."""
+
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHING = "finishing"
+    RELEASED = "released"
+
+
+_LEGAL: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.QUEUED: frozenset({RequestState.PREFILLING, RequestState.FINISHING}),
+    RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.FINISHING}),
+    RequestState.DECODING: frozenset({RequestState.FINISHING}),
+    RequestState.FINISHING: frozenset({RequestState.RELEASED}),
+    RequestState.RELEASED: frozenset(),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One increment of a request's stream. The last one carries ``finish`` and the final ``output_ids``
+    (after stop-string trimming); earlier ones carry only what the commit step just added."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    num_output_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish: Finish | None = None
+    output_ids: tuple[int, ...] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduler-side record of one request. Only the scheduler's commit step changes ``output_ids`` (C1).
+
+    Counters, all in tokens:
+    - ``prefill_pos``: prompt tokens planned into steps so far (KV written or being written).
+    - ``planned_output``: output tokens sampled or being sampled (committed + the one in flight).
+    - ``kv_committed``: the KV watermark: positions [0, kv_committed) were written by retired steps whose
+      results were committed (C11: only these may enter the prefix cache).
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stop_checker: StopChecker
+    seed: int
+    state: RequestState = RequestState.QUEUED
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    cached_pages: int = 0
+    cached_tokens: int = 0
+    cache_node: RadixNode | None = None
+    reserved_pages: int = 0
+    prefill_pos: int = 0
+    planned_output: int = 0
+    kv_committed: int = 0
+    inflight_steps: int = 0
+    sent_new: bool = False
+    prefix_counted: bool = False
+    finish: Finish | None = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    def transition(self, to: RequestState) -> None:
+        if to not in _LEGAL[self.state]:
+            raise IllegalTransitionError(f"request {self.request_id}: {self.state.value} -> {to.value} is not legal")
+        self.state = to
+
+    @property
+    def finishing(self) -> bool:
+        """A finish is decided or pending: nothing more is planned (C8) or committed (C6, C7)."""
+        return self.finish is not None

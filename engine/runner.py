@@ -1,0 +1,144 @@
+"""The model runner: executes step plans on the model and the physical KV pool, and samples.
+
+It owns per-request buffers (sampling state and the last sampled token), indexed by the slot the scheduler
+assigned. A plan entry whose input is not known to the scheduler yet (``input_ref``) is resolved here from
+that buffer, so overlapped steps need no host round trip. Steps run strictly in launch order on one worker
+thread; that order is what makes a reference to "the token this slot sampled last" well defined.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import ProtocolError
+from engine.kv.pool import KVPool
+from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
+from engine.model.llama import LlamaForCausalLM
+from engine.sampler import Sampler, SamplingState
+from engine.step import SampledToken, StepEntry, StepPlan, StepResult
+
+
+@dataclass
+class SlotBuffer:
+    """The executor's per-request state, alive from a request's first entry until its slot is released."""
+
+    request_id: str
+    sampling: SamplingState
+    last_token: int | None = None
+
+
+class ModelRunner:
+    """Runs one step at a time. :meth:`launch` queues a step on the worker thread and returns at once."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KVPool,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        device: torch.device,
+    ) -> None:
+        self._model = model
+        self._kv = kv
+        self._vocab_size = vocab_size
+        self._eos = eos_token_ids
+        self._device = device
+        self._sampler = Sampler(vocab_size, device)
+        self._slots: dict[int, SlotBuffer] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-runner")
+
+    # ------------------------------------------------------------ asynchronous interface
+
+    def launch(self, plan: StepPlan) -> Future[StepResult]:
+        return self._worker.submit(self.execute, plan)
+
+    def release(self, slots: Sequence[int]) -> Future[None]:
+        """Free per-request buffers. Queued behind every launched step, so no in-flight step loses its buffer."""
+        return self._worker.submit(self._release, tuple(slots))
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self._slots)
+
+    # ------------------------------------------------------------ execution (worker thread)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        buffers = [self._buffer_for(entry) for entry in plan.entries]
+        seqs = [self._seq_input(entry, buf) for entry, buf in zip(plan.entries, buffers, strict=True)]
+        batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
+        logits = self._model(batch, self._kv)  # [num sampling entries, V]
+        sampling = [(e, b) for e, b in zip(plan.entries, buffers, strict=True) if e.sample]
+        samples: tuple[SampledToken, ...] = ()
+        if sampling:
+            samples = self._sample(logits, sampling)
+        return StepResult(plan.step_id, samples, time.perf_counter() - started)
+
+    def _buffer_for(self, entry: StepEntry) -> SlotBuffer:
+        buf = self._slots.get(entry.slot)
+        if entry.new is not None:
+            if buf is not None:
+                raise ProtocolError(f"slot {entry.slot} still holds request {buf.request_id}")
+            state = SamplingState(
+                entry.new.params,
+                entry.new.prompt_ids,
+                self._eos,
+                self._vocab_size,
+                self._device,
+                entry.new.seed,
+            )
+            buf = SlotBuffer(entry.request_id, state)
+            self._slots[entry.slot] = buf
+            return buf
+        if buf is None or buf.request_id != entry.request_id:
+            raise ProtocolError(f"slot {entry.slot} does not hold request {entry.request_id}")
+        return buf
+
+    @staticmethod
+    def _seq_input(entry: StepEntry, buf: SlotBuffer) -> SeqInput:
+        if entry.input_ref:
+            if buf.last_token is None:
+                raise ProtocolError(f"request {entry.request_id}: input reference before any sample")
+            tokens: Sequence[int] = (buf.last_token,)
+        else:
+            tokens = entry.input_ids
+        mode = LogitsMode.LAST if entry.sample else LogitsMode.NONE
+        return SeqInput(tokens, entry.start_pos, entry.page_table, mode)
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[StepEntry, SlotBuffer]]) -> tuple[SampledToken, ...]:
+        for entry, buf in rows:
+            if buf.sampling.num_output != entry.ordinal:
+                raise ProtocolError(
+                    f"request {entry.request_id}: plan samples ordinal {entry.ordinal}, "
+                    f"executor has sampled {buf.sampling.num_output}"
+                )
+        out = self._sampler.sample(logits, [buf.sampling for _, buf in rows])
+        samples = []
+        for i, (entry, buf) in enumerate(rows):
+            token = out.token_ids[i]
+            buf.sampling.record(token)
+            buf.last_token = token
+            samples.append(
+                SampledToken(
+                    request_id=entry.request_id,
+                    ordinal=entry.ordinal,
+                    token_id=token,
+                    logprob=out.logprobs[i] if out.logprobs is not None else None,
+                    top_logprobs=tuple(out.top_logprobs[i]) if out.top_logprobs is not None else None,
+                )
+            )
+        return tuple(samples)
+
+    def _release(self, slots: tuple[int, ...]) -> None:
+        for slot in slots:
+            if self._slots.pop(slot, None) is None:
+                raise ProtocolError(f"release of slot {slot}, which holds no request")

@@ -1,0 +1,25 @@
+"""Shared fixtures. Everything runs on CPU, offline, with fixed seeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model, built once per test session into a private cache."""
+    from engine.model.embedded import ensure_embedded_model
+
+    return ensure_embedded_model(tmp_path_factory.mktemp("ordinal-cache"))
