@@ -19,36 +19,20 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
-from engine.kv.pool import KVPool
-from engine.model.embedded import ensure_embedded_model
-from engine.model.loader import load_model
+from engine.errors import ExecutorUnavailableError, InvalidRequestError
 from engine.model.tokenizer import Tokenizer
 from engine.request import Request, RequestOutput
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, StepRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import CommitOutcome, Scheduler, SchedulerStats, pages_for
 from engine.step import StepPlan, StepResult
-from engine.stop import Finish, FinishReason, StopChecker
+from engine.stop import AbortCause, Finish, FinishReason, StopChecker
 
 log = logging.getLogger(__name__)
 
 OutputSink = Callable[[RequestOutput], None]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model_path: str
-    vocab_size: int
-    max_context: int
-    eos_token_ids: frozenset[int]
-    bos_token_id: int | None
-    pad_token_id: int | None
 
 
 @dataclass(frozen=True)
@@ -61,36 +45,22 @@ class _Add:
 class _Abort:
     request_id: str
     message: str
+    cause: AbortCause
 
 
 class Engine:
     """Loads a model (the embedded default when ``config.model_path`` is None) and serves requests."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner: StepRunner | None = None) -> None:
         self.config = config
-        device = torch.device(config.device)
-        path = Path(config.model_path) if config.model_path else ensure_embedded_model(_cache_dir(config))
-        self.tokenizer = Tokenizer.from_dir(path)
-        model, model_config = load_model(path, config.torch_dtype, device)
-        eos = self.tokenizer.eos_token_ids | frozenset(model_config.eos_token_ids)
-        self.info = ModelInfo(
-            model_path=str(path),
-            vocab_size=model_config.vocab_size,
-            max_context=model_config.max_position_embeddings,
-            eos_token_ids=eos,
-            bos_token_id=self.tokenizer.bos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-        )
-        kv = KVPool(
-            model_config.num_layers,
-            config.num_pages,
-            config.page_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            config.torch_dtype,
-            device,
-        )
-        self.runner = ModelRunner(model, kv, model_config.vocab_size, eos, device)
+        self.runner: StepRunner = runner if runner is not None else ModelRunner.load(config)
+        self.info = self.runner.info
+        if (self.info.page_size, self.info.num_pages) != (config.page_size, config.num_pages):
+            raise ValueError(
+                f"executor KV pool ({self.info.num_pages} pages of {self.info.page_size}) differs from the "
+                f"scheduler's ({config.num_pages} pages of {config.page_size}): start both with the same flags"
+            )
+        self.tokenizer = Tokenizer.from_dir(self.info.model_path)
         self.scheduler = Scheduler(config)
         self._lock = threading.Lock()  # guards the scheduler between the loop thread and stats readers
         self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
@@ -101,6 +71,7 @@ class Engine:
         self._sinks: dict[str, OutputSink] = {}
         self._seeds = itertools.count()
         self._releases: list[Future[None]] = []
+        self._inflight: deque[tuple[StepPlan, Future[StepResult]]] = deque()
         self._thread = threading.Thread(target=self._run_loop, name="ordinal-scheduler", daemon=True)
         self._thread.start()
 
@@ -162,12 +133,12 @@ class Engine:
             self.submit(prompt, p, _finish_setter(fut))
         return [f.result(timeout=timeout) for f in done]
 
-    def abort(self, request_id: str, message: str = "aborted by client") -> bool:
+    def abort(self, request_id: str, message: str = "aborted by client", cause: AbortCause = AbortCause.CLIENT) -> bool:
         """Record an abort; True if the request was in flight. Takes effect before any later commit (C7)."""
         with self._lock:
             live = request_id in self._live
         if live:
-            self._inbox.put(_Abort(request_id, message))
+            self._inbox.put(_Abort(request_id, message, cause))
             self._wake.set()
         return live
 
@@ -231,7 +202,7 @@ class Engine:
 
     def _crashed(self, message: str) -> None:
         self._stopping = True
-        finish = Finish(FinishReason.ABORT, message=message)
+        finish = Finish(FinishReason.ABORT, message=message, cause=AbortCause.INTERNAL)
         with self._lock:
             sinks, self._sinks = self._sinks, {}
             self._live.clear()
@@ -239,7 +210,7 @@ class Engine:
             sink(RequestOutput(rid, (), "", 0, 0, 0, finish=finish, output_ids=()))
 
     def _loop(self) -> None:
-        inflight: deque[tuple[StepPlan, Future[StepResult]]] = deque()
+        inflight = self._inflight
         while not self._stopping:
             self._wake.clear()  # before draining: a submit after this point wakes the wait below
             self._drain_inbox()
@@ -260,16 +231,29 @@ class Engine:
     def _commit(self, plan: StepPlan, future: Future[StepResult]) -> None:
         try:
             result = future.result()
+        except ExecutorUnavailableError as exc:
+            self._executor_lost(plan, str(exc))
+            return
         except Exception as exc:  # the executor failed this step: end its requests, keep serving others
             log.exception("step %d failed", plan.step_id)
             with self._lock:
-                outcome = self.scheduler.fail_step(plan.step_id, f"executor error: {exc}")
+                outcome = self.scheduler.fail_step(plan.step_id, f"executor error: {exc}", AbortCause.INTERNAL)
             self._deliver(outcome)
             return
         self._drain_inbox()  # an abort recorded before this commit wins over its result (C7)
         with self._lock:
             outcome = self.scheduler.commit(result)
         self._deliver(outcome)
+
+    def _executor_lost(self, plan: StepPlan, reason: str) -> None:
+        """The executor session ended: fail every step in flight, then every request (their KV is gone)."""
+        log.warning("executor unavailable at step %d: %s", plan.step_id, reason)
+        message = f"executor unavailable: {reason}"
+        self._inflight.clear()
+        with self._lock:
+            outcome = self.scheduler.executor_lost(message)
+        self._releases.clear()  # the lost session took its buffers with it
+        self._deliver(CommitOutcome(outputs=outcome.outputs))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -282,7 +266,7 @@ class Engine:
                     self._sinks[msg.request.request_id] = msg.sink
                     outcome = self.scheduler.add(msg.request)
                 else:
-                    outcome = self.scheduler.abort(msg.request_id, msg.message)
+                    outcome = self.scheduler.abort(msg.request_id, msg.message, msg.cause)
             self._deliver(outcome)
 
     def _deliver(self, outcome: CommitOutcome) -> None:
@@ -314,7 +298,7 @@ class Engine:
         with self._lock:
             live = list(self._live)
         for rid in live:
-            self._inbox.put(_Abort(rid, message))
+            self._inbox.put(_Abort(rid, message, AbortCause.SHUTDOWN))
         self._drain_inbox()
 
 
@@ -324,7 +308,3 @@ def _finish_setter(fut: Future[RequestOutput]) -> OutputSink:
             fut.set_result(out)
 
     return sink
-
-
-def _cache_dir(config: EngineConfig) -> Path | None:
-    return Path(config.cache_dir) if config.cache_dir else None

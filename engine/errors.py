@@ -21,3 +21,7 @@ class CheckpointError(ValueError):
 
 class ProtocolError(RuntimeError):
     """A peer broke a protocol contract (wrong ordinal, stale step, released slot)."""
+
+
+class ExecutorUnavailableError(RuntimeError):
+    """The executor cannot be reached or its session ended: every KV page and buffer it held is lost."""

@@ -12,15 +12,53 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
+from engine.config import EngineConfig
 from engine.errors import ProtocolError
 from engine.kv.pool import KVPool
+from engine.model.embedded import ensure_embedded_model
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_model
+from engine.model.tokenizer import Tokenizer
 from engine.sampler import Sampler, SamplingState
 from engine.step import SampledToken, StepEntry, StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the scheduler needs to know about the executor's model (the executor reports it)."""
+
+    model_path: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    page_size: int
+    num_pages: int
+
+
+class StepRunner(Protocol):
+    """The executor as the scheduler's loop sees it: in process (:class:`ModelRunner`) or over gRPC.
+
+    Steps run in launch order; a release is queued behind every step launched before it (C9)."""
+
+    info: ModelInfo
+
+    def launch(self, plan: StepPlan) -> Future[StepResult]: ...
+
+    def release(self, slots: Sequence[int]) -> Future[None]: ...
+
+    def shutdown(self) -> None: ...
+
+    def healthy(self) -> bool:
+        """True when the executor answers now (bounded wait)."""
+        ...
 
 
 @dataclass
@@ -35,22 +73,44 @@ class SlotBuffer:
 class ModelRunner:
     """Runs one step at a time. :meth:`launch` queues a step on the worker thread and returns at once."""
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv: KVPool,
-        vocab_size: int,
-        eos_token_ids: frozenset[int],
-        device: torch.device,
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: KVPool, info: ModelInfo, device: torch.device) -> None:
+        self.info = info
         self._model = model
         self._kv = kv
-        self._vocab_size = vocab_size
-        self._eos = eos_token_ids
+        self._vocab_size = info.vocab_size
+        self._eos = info.eos_token_ids
         self._device = device
-        self._sampler = Sampler(vocab_size, device)
+        self._sampler = Sampler(info.vocab_size, device)
         self._slots: dict[int, SlotBuffer] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-runner")
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelRunner:
+        """Load the model (the embedded default when ``config.model_path`` is None) and size the KV pool."""
+        device = torch.device(config.device)
+        path = Path(config.model_path) if config.model_path else ensure_embedded_model(_cache_dir(config))
+        tokenizer = Tokenizer.from_dir(path)
+        model, model_config = load_model(path, config.torch_dtype, device)
+        info = ModelInfo(
+            model_path=str(path),
+            vocab_size=model_config.vocab_size,
+            max_context=model_config.max_position_embeddings,
+            eos_token_ids=tokenizer.eos_token_ids | frozenset(model_config.eos_token_ids),
+            bos_token_id=tokenizer.bos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            page_size=config.page_size,
+            num_pages=config.num_pages,
+        )
+        kv = KVPool(
+            model_config.num_layers,
+            config.num_pages,
+            config.page_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            config.torch_dtype,
+            device,
+        )
+        return cls(model, kv, info, device)
 
     # ------------------------------------------------------------ asynchronous interface
 
@@ -63,6 +123,9 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def healthy(self) -> bool:
+        return not self._worker._shutdown
 
     @property
     def num_buffers(self) -> int:
@@ -142,3 +205,7 @@ class ModelRunner:
         for slot in slots:
             if self._slots.pop(slot, None) is None:
                 raise ProtocolError(f"release of slot {slot}, which holds no request")
+
+
+def _cache_dir(config: EngineConfig) -> Path | None:
+    return Path(config.cache_dir) if config.cache_dir else None

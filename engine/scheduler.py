@@ -31,7 +31,7 @@ from engine.kv.prefix_cache import RadixNode, RadixPrefixCache
 from engine.kv.slots import SlotTable
 from engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from engine.step import NewRequest, SampledToken, StepEntry, StepPlan, StepResult
-from engine.stop import Finish, FinishReason
+from engine.stop import AbortCause, Finish, FinishReason
 
 
 @dataclass
@@ -84,6 +84,7 @@ class Scheduler:
         self._reserved = 0
         self._prefill_tokens = 0
         self._cached_prompt_tokens = 0
+        self._kv_lost = False  # set while requests are released after the executor lost its KV
 
     # ---------------------------------------------------------------- intake
 
@@ -97,7 +98,9 @@ class Scheduler:
         self._waiting.append(req)
         return CommitOutcome()
 
-    def abort(self, request_id: str, message: str = "aborted by client") -> CommitOutcome:
+    def abort(
+        self, request_id: str, message: str = "aborted by client", cause: AbortCause = AbortCause.CLIENT
+    ) -> CommitOutcome:
         """Record an abort (a pending finish). From here no result of this request is committed (C7) and it is
         planned into no new step (C8); its resources go once no in-flight step names it (C9). Unknown or
         already finishing ids are a no-op."""
@@ -106,7 +109,7 @@ class Scheduler:
             return CommitOutcome()
         if req.state is RequestState.QUEUED:
             self._waiting.remove(req)
-        return self._finish_now(req, Finish(FinishReason.ABORT, message=message))
+        return self._finish_now(req, Finish(FinishReason.ABORT, message=message, cause=cause))
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -264,7 +267,7 @@ class Scheduler:
         outcome.extend(self._release_retired(plan))
         return outcome
 
-    def fail_step(self, step_id: int, message: str) -> CommitOutcome:
+    def fail_step(self, step_id: int, message: str, cause: AbortCause = AbortCause.EXECUTOR) -> CommitOutcome:
         """The executor could not run ``step_id``: every request it named ends with an abort saying why."""
         if not self._inflight or self._inflight[0].step_id != step_id:
             raise ProtocolError(f"failed step {step_id} is not the oldest in flight")
@@ -274,9 +277,33 @@ class Scheduler:
             req = self._requests[entry.request_id]
             req.inflight_steps -= 1
             if not req.finishing:
-                outcome.extend(self._finish_now(req, Finish(FinishReason.ABORT, message=message)))
+                outcome.extend(self._finish_now(req, Finish(FinishReason.ABORT, message=message, cause=cause)))
         outcome.extend(self._release_retired(plan))
         return outcome
+
+    def executor_lost(self, message: str) -> CommitOutcome:
+        """The executor's session ended and with it every KV page and per-request buffer it held.
+
+        Every step in flight fails and every request ends with an abort caused by the executor. Nothing enters
+        the prefix cache and everything cached is dropped, since the KV behind it is gone. Released slots are
+        not reported: the executor has no buffers left to free.
+        """
+        outputs: list[RequestOutput] = []
+        finish = Finish(FinishReason.ABORT, message=message, cause=AbortCause.EXECUTOR)
+        self._kv_lost = True
+        try:
+            while self._inflight:
+                outputs.extend(self.fail_step(self._inflight[0].step_id, message).outputs)
+            for req in list(self._requests.values()):
+                if req.state is RequestState.QUEUED:
+                    self._waiting.remove(req)
+                if not req.finishing:
+                    outputs.extend(self._finish_now(req, finish).outputs)
+        finally:
+            self._kv_lost = False
+        if self.cache is not None:
+            self.cache.evict(self.cache.num_evictable)
+        return CommitOutcome(outputs=outputs)
 
     def _append(self, req: Request, sample: SampledToken) -> RequestOutput:
         if sample.ordinal != len(req.output_ids):
@@ -339,6 +366,10 @@ class Scheduler:
             return
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
+        if self._kv_lost:
+            self.allocator.free(req.pages[req.cached_pages :])
+            req.pages = []
+            return
         # C11: only KV below the committed watermark enters the prefix cache.
         tokens = (*req.prompt_ids, *req.output_ids)[: req.kv_committed]
         cached = set(req.pages[: req.cached_pages])

@@ -18,14 +18,27 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+class AbortCause(enum.Enum):
+    """Who ended an aborted request; the services map each to a status (EXECUTOR → UNAVAILABLE, ...)."""
+
+    CLIENT = "client"
+    EXECUTOR = "executor"
+    GRAMMAR = "grammar"
+    SHUTDOWN = "shutdown"
+    INTERNAL = "internal"
+
+
 @dataclass(frozen=True)
 class Finish:
-    """A request's end: a stop token (``matched_token``), a stop string (``matched_stop``) or a limit."""
+    """A request's end: a stop token (``matched_token``), a stop string (``matched_stop``) or a limit.
+
+    An ABORT names its ``cause`` and carries a ``message`` a person can act on."""
 
     reason: FinishReason
     matched_token: int | None = None
     matched_stop: str | None = None
     message: str | None = None
+    cause: AbortCause | None = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.stop import FinishReason
 
@@ -43,7 +44,7 @@ def _assert_baseline(engine: Engine) -> None:
     s = engine.stats()
     assert s.free_pages + s.evictable_pages == s.total_pages, s
     assert s.reserved_pages == 0 and s.free_slots == s.total_slots and s.inflight_steps == 0, s
-    assert engine.runner.num_buffers == 0
+    assert isinstance(engine.runner, ModelRunner) and engine.runner.num_buffers == 0
     if engine.scheduler.cache is not None:
         engine.scheduler.cache.check_invariants()
 
