@@ -285,13 +285,13 @@ class Engine:
                 sink(out)
 
     def _wait_for_work(self) -> None:
+        # Decided under the lock that submit() takes, so a submit cannot slip between the check and the set.
         with self._lock:
-            idle = self.scheduler.idle and not self._live
-        if idle:
-            for release in self._releases:
-                release.result()  # buffers are back before anyone is told the engine is idle
-            self._releases.clear()
-            self._idle.set()
+            if self.scheduler.idle and not self._live:
+                for release in self._releases:
+                    release.result()  # buffers are back before anyone is told the engine is idle
+                self._releases.clear()
+                self._idle.set()
         self._wake.wait(timeout=0.5)
 
     def _abort_all(self, message: str) -> None:
