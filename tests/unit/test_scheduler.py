@@ -14,7 +14,7 @@ from engine.request import IllegalTransitionError, Request, RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step import SampledToken, StepPlan, StepResult
-from engine.stop import FinishReason, StopChecker
+from engine.stop import AbortCause, FinishReason, StopChecker
 
 EOS = 2
 
@@ -53,6 +53,8 @@ def test_lifecycle_transitions_are_checked() -> None:
 
 
 def test_chunked_prefill_plans_next_chunk_only_after_retire() -> None:
+    """C10. Fails if `req.inflight_steps or` is removed from `Scheduler._plan_running` (chunk 2 is planned
+    while chunk 1 is in flight): checked once by removing it."""
     s = _sched(chunk_size=5)
     s.add(_req("a", 12))
     p1 = s.plan()
@@ -88,6 +90,9 @@ def test_overlap_decode_refers_to_the_token_in_flight() -> None:
 
 
 def test_stop_with_step_in_flight_drops_it_and_releases_after_retire() -> None:
+    """C6 and C9. Fails if `if req.finishing: continue` is removed from `Scheduler.commit` (the token after
+    the stop is appended and streamed) or if `_release_retired` ignores `inflight_steps` (the slot is freed
+    while p2 still names it): checked once each."""
     s = _sched()
     s.add(_req("a", 3, max_new=10))
     p1 = s.plan()
@@ -103,6 +108,10 @@ def test_stop_with_step_in_flight_drops_it_and_releases_after_retire() -> None:
 
 
 def test_abort_before_commit_drops_the_result() -> None:
+    """C7, C8, C9. Fails if `if req.finishing: continue` is removed from `Scheduler.commit` (the aborted
+    request gets a token), if `if req.finishing: return None, 0` is removed from `_plan_running` (it is
+    planned again), or if `_finish_now` releases without checking `inflight_steps` (the slot goes while p1
+    is in flight and the commit then finds no request): checked once each."""
     s = _sched()
     s.add(_req("a", 3))
     p1 = s.plan()
@@ -117,15 +126,17 @@ def test_abort_before_commit_drops_the_result() -> None:
 
 
 def test_commit_out_of_order_or_wrong_ordinal_is_refused() -> None:
+    """C1, C2. Fails if the step-order check at the top of `Scheduler.commit` is removed (p2 commits before p1)
+    or if `_pair` stops comparing the sample's ordinal with the entry's: checked once each."""
     s = _sched()
     s.add(_req("a", 3))
     p1 = s.plan()
     p2 = s.plan()
     assert p1 is not None and p2 is not None
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match="out of order"):
         s.commit(_result(p2))
     bad = StepResult(p1.step_id, (SampledToken("a", 5, 1),))
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match="does not match the plan"):
         s.commit(bad)
 
 
@@ -147,5 +158,40 @@ def test_max_new_tokens_zero_finishes_without_resources() -> None:
     s = _sched()
     out = s.add(_req("a", 3, max_new=0))
     assert out.outputs[0].finish is not None and out.outputs[0].finish.reason is FinishReason.LENGTH
+    assert s.plan() is None
+    _baseline(s)
+
+
+def test_watermark_bounds_the_prefix_cache() -> None:
+    """C11. A 7-token prompt with one output token wrote KV for positions 0..6 only: one full page of 4 may be
+    cached, not two. Fails if `_return_pages` inserts all prompt + output tokens instead of those below
+    `kv_committed` (the second page, whose last slot was never written, becomes a prefix hit): checked once."""
+    s = _sched()
+    s.add(_req("a", 7, max_new=1))
+    p = s.plan()
+    assert p is not None
+    s.commit(_result(p))
+    assert s.cache is not None and s.cache.num_cached == 1
+    assert s.cache.match((*range(10, 17), 7)).num_tokens == 4
+    _baseline(s)
+
+
+def test_executor_lost_aborts_everything_and_drops_the_cache() -> None:
+    s = _sched()
+    s.add(_req("done", 9, max_new=1))
+    p = s.plan()
+    assert p is not None
+    s.commit(_result(p))
+    assert s.cache is not None and s.cache.num_cached > 0
+    s.add(_req("a", 5, max_new=5))
+    s.add(_req("b", 5, max_new=5))
+    assert s.plan() is not None and s.plan() is not None
+    s.add(_req("queued", 5, max_new=5))
+    out = s.executor_lost("executor unavailable: gone")
+    finishes = {o.request_id: o.finish for o in out.outputs if o.finish is not None}
+    assert set(finishes) == {"a", "b", "queued"}
+    assert all(f.reason is FinishReason.ABORT and f.cause is AbortCause.EXECUTOR for f in finishes.values())
+    assert out.released_slots == []  # the executor's buffers went with its session
+    assert s.cache.num_cached == 0  # the KV behind every cached page is gone
     assert s.plan() is None
     _baseline(s)
