@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.errors import ExecutorUnavailableError, InvalidRequestError
+from engine.metrics import EngineObserver, NullObserver, RequestTimeline
 from engine.model.tokenizer import Tokenizer
 from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner, StepRunner
@@ -51,7 +52,9 @@ class _Abort:
 class Engine:
     """Loads a model (the embedded default when ``config.model_path`` is None) and serves requests."""
 
-    def __init__(self, config: EngineConfig, runner: StepRunner | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, runner: StepRunner | None = None, observer: EngineObserver | None = None
+    ) -> None:
         self.config = config
         self.runner: StepRunner = runner if runner is not None else ModelRunner.load(config)
         self.info = self.runner.info
@@ -72,6 +75,7 @@ class Engine:
         self._seeds = itertools.count()
         self._releases: list[Future[None]] = []
         self._inflight: deque[tuple[StepPlan, Future[StepResult]]] = deque()
+        self._timeline = RequestTimeline(observer if observer is not None else NullObserver())
         self._thread = threading.Thread(target=self._run_loop, name="ordinal-scheduler", daemon=True)
         self._thread.start()
 
@@ -97,6 +101,7 @@ class Engine:
                 raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
             self._live.add(rid)
             self._idle.clear()
+        self._timeline.added(rid, len(request.prompt_ids))
         self._inbox.put(_Add(request, sink))
         self._wake.set()
         return rid
@@ -207,7 +212,9 @@ class Engine:
             sinks, self._sinks = self._sinks, {}
             self._live.clear()
         for rid, sink in sinks.items():
-            sink(RequestOutput(rid, (), "", 0, 0, 0, finish=finish, output_ids=()))
+            out = RequestOutput(rid, (), "", 0, 0, 0, finish=finish, output_ids=())
+            self._timeline.output(out)
+            sink(out)
 
     def _loop(self) -> None:
         inflight = self._inflight
@@ -217,6 +224,7 @@ class Engine:
             with self._lock:
                 plan = self.scheduler.plan()
             if plan is not None:
+                self._timeline.step_launched(plan)
                 inflight.append((plan, self.runner.launch(plan)))
             # Overlap keeps the step just launched in flight while the one before it is committed.
             keep = 1 if self.config.overlap and plan is not None else 0
@@ -243,6 +251,7 @@ class Engine:
         self._drain_inbox()  # an abort recorded before this commit wins over its result (C7)
         with self._lock:
             outcome = self.scheduler.commit(result)
+        self._timeline.step_committed(plan, result)
         self._deliver(outcome)
 
     def _executor_lost(self, plan: StepPlan, reason: str) -> None:
@@ -276,6 +285,7 @@ class Engine:
                 self._releases.remove(done)
             self._releases.append(self.runner.release(outcome.released_slots))
         for out in outcome.outputs:
+            self._timeline.output(out)
             sink = self._sinks.get(out.request_id)
             if out.finished:
                 self._sinks.pop(out.request_id, None)

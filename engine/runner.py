@@ -121,6 +121,10 @@ class ModelRunner:
         """Free per-request buffers. Queued behind every launched step, so no in-flight step loses its buffer."""
         return self._worker.submit(self._release, tuple(slots))
 
+    def reset(self) -> Future[None]:
+        """Drop every per-request buffer (their scheduler is gone). Queued behind every launched step."""
+        return self._worker.submit(self._slots.clear)
+
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
 

@@ -1,0 +1,61 @@
+"""Grammar-constrained decoding with xgrammar, as a versioned commit protocol (contracts C2, C3, C5, C6, C13).
+
+:class:`Constraint` names a grammar; :class:`ConstraintCompiler` compiles it (cached, off the caller's thread,
+bounded); :class:`VersionedMatcher` is one request's grammar state at its ordinal; :class:`GrammarRegistry`
+holds every open matcher and fences mask requests to the exact version they name.
+"""
+
+from engine.grammar.compiler import (
+    CompiledConstraint,
+    CompilerConfig,
+    CompileStats,
+    ConstraintCompiler,
+    GrammarTimeoutError,
+    InvalidGrammarError,
+    load_tokenizer_info,
+    words_per_row,
+)
+from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.grammar.matcher import (
+    CommitResult,
+    DraftTree,
+    GrammarProtocolError,
+    MatcherState,
+    Refusal,
+    VersionedMatcher,
+)
+from engine.grammar.registry import (
+    CommitEntry,
+    CommitOutcome,
+    GrammarRegistry,
+    MaskEntry,
+    MaskFence,
+    MaskOutcome,
+    MaskRows,
+)
+
+__all__ = [
+    "CommitEntry",
+    "CommitOutcome",
+    "CommitResult",
+    "CompileStats",
+    "CompiledConstraint",
+    "CompilerConfig",
+    "Constraint",
+    "ConstraintCompiler",
+    "ConstraintKind",
+    "DraftTree",
+    "GrammarProtocolError",
+    "GrammarRegistry",
+    "GrammarTimeoutError",
+    "InvalidGrammarError",
+    "MaskEntry",
+    "MaskFence",
+    "MaskOutcome",
+    "MaskRows",
+    "MatcherState",
+    "Refusal",
+    "VersionedMatcher",
+    "load_tokenizer_info",
+    "words_per_row",
+]

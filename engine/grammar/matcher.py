@@ -1,0 +1,343 @@
+"""One constrained request's grammar state, versioned by its ordinal (contracts C2, C3, C5, C6, C13).
+
+A :class:`VersionedMatcher` wraps one xgrammar ``GrammarMatcher`` and counts the tokens committed to it: its
+*ordinal*. Every call names the ordinal it is about, and the matcher refuses any call about another one, so a
+replayed or skipped commit and a mask for the wrong version are caught where they happen instead of
+surfacing steps later as "tokens not accepted" (a stale mask let the sampler pick a token the grammar refuses).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from engine.errors import ProtocolError
+from engine.grammar.compiler import CompiledConstraint, words_per_row
+from engine.grammar.constraint import Constraint
+
+
+class Refusal(enum.Enum):
+    """Why a grammar call was refused. Each maps to one per-entry code of the grammar protocol."""
+
+    STALE_ORDINAL = "stale_ordinal"  # commit from an ordinal already passed: a replay (C2)
+    FUTURE_ORDINAL = "future_ordinal"  # commit from an ordinal not reached: a gap (C2)
+    AHEAD = "ahead"  # mask for an ordinal the matcher has already passed (C3)
+    BEHIND = "behind"  # mask for an ordinal not reached yet; the registry's fence waits on it (C3)
+    BEHIND_DEADLINE = "behind_deadline"  # ...and the commit reaching it did not come in time (C3)
+    RELEASED = "released"  # the matcher was released; nothing more is answered
+    UNKNOWN = "unknown"  # no matcher was ever opened under this id (or its release is long forgotten)
+    REJECTED = "rejected"  # the matcher refused a token earlier and is finished (C13)
+    TERMINATED = "terminated"  # mask asked of a grammar that has terminated: no next token exists (C6)
+    ALREADY_OPEN = "already_open"  # open under an id that is open
+    INVALID_ARGUMENT = "invalid_argument"  # a malformed call: empty id, bad draft tree, wrong buffer
+    INTERNAL = "internal"  # xgrammar failed unexpectedly on this entry; the others are unaffected
+
+
+class GrammarProtocolError(ProtocolError):
+    """A grammar call broke the protocol; ``code`` says how, the message says exactly what was expected."""
+
+    def __init__(self, code: Refusal, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class MatcherState(enum.Enum):
+    """Where a matcher is in its life. Only ACTIVE accepts tokens and answers masks."""
+
+    ACTIVE = "active"
+    TERMINATED = "terminated"  # accepted a stop token: the output is complete
+    REJECTED = "rejected"  # refused a committed token: the request must end with a grammar abort (C13)
+    RELEASED = "released"
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What a commit did. ``accepted`` tokens from the front were fed; the rest were not.
+
+    ``terminated``: the grammar accepted a stop token (tokens after it were not fed, C6). ``rejected_token``:
+    the first token the grammar refused; the matcher is finished and the request must be aborted (C13).
+    """
+
+    accepted: int
+    terminated: bool
+    rejected_token: int | None
+    new_ordinal: int
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens to verify, as a tree under the committed state (the root, which has no token here).
+
+    ``parents[i]`` is the index of node i's parent, or -1 when node i follows the committed state directly;
+    any order is accepted as long as it is a tree. Masks for a tree come as ``len(tokens) + 1`` rows: row 0
+    for the committed state itself, row i + 1 for the state after the path to node i. A chain of k drafts is
+    ``DraftTree.chain(tokens)``.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        # Accept any int sequences (lists, tensors' tolist()) but keep the value hashable and immutable.
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
+        if len(self.tokens) != len(self.parents):
+            raise _invalid(f"draft tree: {len(self.tokens)} tokens but {len(self.parents)} parents")
+        if any(t < 0 for t in self.tokens):
+            raise _invalid("draft tree: token ids must be >= 0")
+        n = len(self.parents)
+        if any(not -1 <= p < n for p in self.parents):
+            raise _invalid(f"draft tree: parents must be -1 or a node index in [0, {n})")
+        _check_acyclic(self.parents)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """A linear draft: each token follows the one before it."""
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    @classmethod
+    def from_links(cls, tokens: Sequence[int], next_token: Sequence[int], next_sibling: Sequence[int]) -> DraftTree:
+        """Convert the first-child / next-sibling layout (SGLang's and xgrammar's) where node 0 is the root.
+
+        ``tokens[0]`` (the root's token, already committed) is ignored; node j > 0 becomes node j - 1, so row j
+        of the masks still belongs to node j.
+        """
+        tokens, next_token, next_sibling = ([int(v) for v in seq] for seq in (tokens, next_token, next_sibling))
+        n = len(tokens)
+        if n == 0 or len(next_token) != n or len(next_sibling) != n:
+            raise _invalid("draft links: tokens, next_token and next_sibling must have the same length >= 1")
+        if next_sibling[0] != -1:
+            raise _invalid("draft links: the root (node 0) cannot have siblings")
+        parent = [-2] * n  # -2: not reached (yet)
+        parent[0] = -1
+        stack = [(next_token[0], 0)]  # (first node of a sibling list, their parent)
+        while stack:
+            node, up = stack.pop()
+            while node != -1:
+                if not 0 < node < n or parent[node] != -2:
+                    raise _invalid(f"draft links: node {node} is out of range or reached twice")
+                parent[node] = up
+                stack.append((next_token[node], node))
+                node = next_sibling[node]
+        missing = [j for j in range(1, n) if parent[j] == -2]
+        if missing:
+            raise _invalid(f"draft links: nodes {missing} are not reachable from the root")
+        return cls(tuple(tokens[1:]), tuple(parent[j] - 1 if parent[j] > 0 else -1 for j in range(1, n)))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.tokens) + 1
+
+    def links(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """xgrammar's layout with a synthetic root at index 0: (next_token, next_sibling, tokens), int64 [N+1]."""
+        rows = self.num_rows
+        next_token = [-1] * rows
+        next_sibling = [-1] * rows
+        last_child = [-1] * rows
+        for i, p in enumerate(self.parents):
+            node, up = i + 1, p + 1  # shift: the root takes index 0
+            if last_child[up] == -1:
+                next_token[up] = node
+            else:
+                next_sibling[last_child[up]] = node
+            last_child[up] = node
+        tokens = [0, *self.tokens]  # the root's token is never fed
+        return _int64(next_token), _int64(next_sibling), _int64(tokens)
+
+
+class VersionedMatcher:
+    """The grammar state of one constrained request at its ordinal (the number of tokens committed to it).
+
+    Contracts enforced here:
+
+    * C2: :meth:`commit` must start from the current ordinal; a replay (older) or gap (newer) is refused.
+    * C3: :meth:`fill_mask` / :meth:`fill_draft_masks` answer only for the current ordinal; another one is
+      refused (the registry's fence turns "not reached yet" into a bounded wait).
+    * C5: draft-tree masks are computed by a traversal that rolls back every token it tries.
+    * C6: tokens after the one that terminates the grammar are reported as not accepted and never fed.
+    * C13: a refused token finishes the matcher; the result names it, the caller aborts the request.
+
+    A lock serialises commit, masks and release, so a mask is never computed from a half-applied commit.
+    """
+
+    def __init__(self, compiled: CompiledConstraint, name: str = "") -> None:
+        self._compiled = compiled
+        self._matcher = xgr.GrammarMatcher(compiled.grammar)
+        self._name = name or "matcher"
+        self._vocab_size = compiled.vocab_size
+        self._lock = threading.Lock()
+        self._ordinal = 0
+        self._state = MatcherState.ACTIVE
+        self._rejected: tuple[int, int] | None = None  # (token, ordinal) of the refusal, for messages
+
+    @property
+    def constraint(self) -> Constraint:
+        return self._compiled.constraint
+
+    @property
+    def ordinal(self) -> int:
+        return self._ordinal
+
+    @property
+    def state(self) -> MatcherState:
+        return self._state
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def words_per_row(self) -> int:
+        return words_per_row(self._vocab_size)
+
+    def commit(self, from_ordinal: int, tokens: Sequence[int]) -> CommitResult:
+        """Feed ``tokens``, the output committed after ordinal ``from_ordinal``, one by one.
+
+        Feeding stops at the first token that terminates the grammar (later ones are not accepted, C6) or that
+        the grammar refuses (``rejected_token``; the matcher is finished, C13). A terminated matcher answers a
+        commit at its ordinal with nothing accepted. Raises :class:`GrammarProtocolError` if ``from_ordinal``
+        is not the current ordinal, or the matcher is released or has refused a token before.
+        """
+        with self._lock:
+            self._check_commit(from_ordinal)
+            return self._feed(tokens)
+
+    def fill_mask(self, at_ordinal: int, out_row: torch.Tensor) -> bool:
+        """Write the allowed next tokens at ``at_ordinal`` into ``out_row`` (int32 CPU [W], xgrammar layout).
+
+        Returns True when the row allows every token (all bits set). Raises :class:`GrammarProtocolError` unless
+        the matcher is ACTIVE at exactly ``at_ordinal`` (code BEHIND when it has not reached it yet).
+        """
+        _check_buffer(out_row, (self.words_per_row,))
+        with self._lock:
+            self._check_mask(at_ordinal)
+            need_apply = self._matcher.fill_next_token_bitmask(out_row)
+        if not need_apply:  # xgrammar's own "everything allowed": make the row say so bit for bit
+            out_row.fill_(-1)
+            return True
+        return bool((out_row == -1).all())
+
+    def fill_draft_masks(self, at_ordinal: int, tree: DraftTree, out: torch.Tensor) -> tuple[bool, ...]:
+        """Masks for every node of ``tree`` over the state at ``at_ordinal``, into ``out`` [tree.num_rows, W].
+
+        Row 0 is the mask at ``at_ordinal``; row i + 1 the mask after the path to node i. A node the grammar
+        refuses after its path, and everything under it, gets an all-zero row (no continuation exists), as
+        does a node after a stop token. The committed state is left exactly as it was (C5). Returns, per row,
+        whether it allows every token. Refuses like :meth:`fill_mask`.
+        """
+        _check_buffer(out, (tree.num_rows, self.words_per_row))
+        bad = next((t for t in tree.tokens if t >= self._vocab_size), None)
+        if bad is not None:
+            raise _invalid(f"{self._name}: draft token {bad} is outside the vocabulary [0, {self._vocab_size})")
+        next_token, next_sibling, tokens = tree.links()  # [N+1] each
+        with self._lock:
+            self._check_mask(at_ordinal)
+            out.zero_()  # rows of nodes the traversal never reaches stay "nothing allowed"
+            self._matcher.traverse_draft_tree(next_token, next_sibling, tokens, out)
+        return tuple(bool(full) for full in (out == -1).all(dim=1).tolist())
+
+    def release(self) -> None:
+        """Finish the matcher for good: every later call is refused with RELEASED."""
+        with self._lock:
+            self._state = MatcherState.RELEASED
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_commit(self, from_ordinal: int) -> None:
+        here = self._ordinal
+        if self._state is MatcherState.RELEASED:
+            raise GrammarProtocolError(Refusal.RELEASED, f"{self._name}: commit after release")
+        if from_ordinal < here:
+            raise GrammarProtocolError(
+                Refusal.STALE_ORDINAL,
+                f"{self._name}: commit from ordinal {from_ordinal} refused, the grammar is at ordinal {here} "
+                f"(tokens {from_ordinal}..{here - 1} were already committed: a replay)",
+            )
+        if from_ordinal > here:
+            raise GrammarProtocolError(
+                Refusal.FUTURE_ORDINAL,
+                f"{self._name}: commit from ordinal {from_ordinal} refused, the grammar is at ordinal {here} "
+                f"(tokens {here}..{from_ordinal - 1} were never committed: a gap)",
+            )
+        if self._state is MatcherState.REJECTED:
+            raise GrammarProtocolError(Refusal.REJECTED, f"{self._name}: {self._rejection()}; it accepts nothing more")
+
+    def _feed(self, tokens: Sequence[int]) -> CommitResult:
+        accepted = 0
+        rejected: int | None = None
+        if self._state is MatcherState.ACTIVE:
+            for token in tokens:
+                if not (0 <= token < self._vocab_size and self._matcher.accept_token(token)):
+                    rejected = int(token)
+                    self._state = MatcherState.REJECTED
+                    self._rejected = (rejected, self._ordinal + accepted)
+                    break
+                accepted += 1
+                if self._matcher.is_terminated():
+                    self._state = MatcherState.TERMINATED
+                    break  # C6: whatever follows the stop token is not fed
+        self._ordinal += accepted
+        return CommitResult(accepted, self._state is MatcherState.TERMINATED, rejected, self._ordinal)
+
+    def _check_mask(self, at_ordinal: int) -> None:
+        here = self._ordinal
+        if self._state is MatcherState.RELEASED:
+            raise GrammarProtocolError(Refusal.RELEASED, f"{self._name}: mask requested after release")
+        if here > at_ordinal:
+            raise GrammarProtocolError(
+                Refusal.AHEAD,
+                f"{self._name}: mask for ordinal {at_ordinal} refused, the grammar is already at ordinal {here}",
+            )
+        # Finished matchers never move again: waiting for a later ordinal would only burn the deadline.
+        if self._state is MatcherState.REJECTED:
+            raise GrammarProtocolError(Refusal.REJECTED, f"{self._name}: {self._rejection()}; no mask exists")
+        if self._state is MatcherState.TERMINATED:
+            raise GrammarProtocolError(
+                Refusal.TERMINATED, f"{self._name}: the grammar terminated at ordinal {here}; no next token exists"
+            )
+        if here < at_ordinal:
+            raise GrammarProtocolError(
+                Refusal.BEHIND,
+                f"{self._name}: mask for ordinal {at_ordinal} requested, the grammar is at ordinal {here} "
+                "(the commit reaching it has not arrived)",
+            )
+
+    def _rejection(self) -> str:
+        token, ordinal = self._rejected if self._rejected is not None else (-1, -1)
+        return f"the grammar refused token {token} at ordinal {ordinal}"
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)  # [N+1]
+
+
+def _check_buffer(out: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if out.dtype != torch.int32 or out.device.type != "cpu" or tuple(out.shape) != shape or not out.is_contiguous():
+        raise _invalid(
+            f"mask buffer must be a contiguous int32 CPU tensor of shape {list(shape)}, "
+            f"got {out.dtype} {out.device} {list(out.shape)}"
+        )
+
+
+def _check_acyclic(parents: Sequence[int]) -> None:
+    """Every node's parent chain must end at the root (-1); a cycle would make the traversal loop forever."""
+    done = [False] * len(parents)
+    for start in range(len(parents)):
+        path: set[int] = set()
+        node = start
+        while node != -1 and not done[node]:
+            if node in path:
+                raise _invalid(f"draft tree: node {node} is its own ancestor")
+            path.add(node)
+            node = parents[node]
+        for visited in path:
+            done[visited] = True
+
+
+def _invalid(message: str) -> GrammarProtocolError:
+    return GrammarProtocolError(Refusal.INVALID_ARGUMENT, message)

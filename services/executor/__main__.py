@@ -1,0 +1,73 @@
+"""``python -m services.executor``: load the model, serve it, print ``EXECUTOR_READY port=<port>`` when serving.
+
+The launcher waits for that line on stdout. SIGTERM or SIGINT stops the server (the open session ends and
+its buffers are dropped), then the runner. ``--metrics-port`` serves Prometheus metrics (0 = off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engine.config import EngineConfig
+from engine.runner import ModelRunner
+from services.executor.server import start_executor
+from services.launcher import add_engine_args, engine_config
+from services.metrics import ExecutorMetrics, serve_metrics
+
+READY_LINE = "EXECUTOR_READY port={port}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # "resolve": the shared engine flags may grow a flag defined here too (e.g. --cache-dir); ours then wins.
+    parser = argparse.ArgumentParser(
+        prog="python -m services.executor",
+        description="ordinal executor: model weights, KV pool, forward and sampling, served over gRPC.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        conflict_handler="resolve",
+    )
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one")
+    parser.add_argument("--cache-dir", default=None, help="where the embedded default model is built")
+    return parser
+
+
+def executor_config(args: argparse.Namespace) -> EngineConfig:
+    return replace(engine_config(args), cache_dir=args.cache_dir)
+
+
+async def serve(runner: ModelRunner, host: str, port: int, metrics: ExecutorMetrics | None = None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the ready line: a stop right after it is clean too
+        loop.add_signal_handler(sig, stop.set)
+    executor = await start_executor(runner, host, port, metrics)
+    print(READY_LINE.format(port=executor.port), flush=True)
+    await stop.wait()
+    await executor.stop(grace=2.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runner = ModelRunner.load(executor_config(args))
+    metrics = ExecutorMetrics()
+    metrics.watch_buffers(lambda: runner.num_buffers)
+    metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
+    try:
+        asyncio.run(serve(runner, args.host, args.port, metrics))
+    finally:
+        runner.shutdown()
+        if metrics_server is not None:
+            metrics_server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

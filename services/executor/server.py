@@ -1,0 +1,248 @@
+"""The executor service: one :class:`~engine.runner.ModelRunner` served as ``ordinal.executor.v1.Executor``.
+
+The event loop only reads, converts and answers; every step and release runs on the runner's worker
+thread. A session's messages are launched in arrival order as soon as they are read (launch returns a
+future at once), and a second coroutine answers those futures in the same order, so step N+1 is already
+queued behind step N while N runs: the scheduler's overlap survives the process boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from engine.errors import InvalidRequestError, ProtocolError
+from engine.runner import ModelInfo, ModelRunner
+from engine.step import StepPlan, StepResult
+from protos import executor_pb2 as pb
+from protos import executor_pb2_grpc as pb_grpc
+from services.executor import convert
+from services.grpc_common import add_health_and_reflection
+from services.metrics import ExecutorMetrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+# Sent as initial metadata when a session is accepted, so that a client can tell "accepted" from "refused".
+SESSION_METADATA_KEY = "ordinal-executor-instance"
+# Keepalive finds a peer that vanished without closing its connection (network loss): the session then ends
+# and its buffers are dropped. Clients ping every few seconds, so the server must tolerate that.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A session message being executed: ``future`` resolves on the worker thread, ``reply`` maps its value."""
+
+    step_id: int  # 0 for a release or a malformed message
+    future: Future[Any]
+    reply: Callable[[Any], pb.SessionReply]
+
+
+class ExecutorServicer(pb_grpc.ExecutorServicer):
+    """Serves one runner to at most one scheduler session at a time.
+
+    When a session ends (the scheduler closed it, vanished, or the server stops), every per-request buffer
+    is dropped, queued behind the steps the session launched: a new session starts from nothing.
+    """
+
+    def __init__(self, runner: ModelRunner, metrics: ExecutorMetrics | None = None) -> None:
+        self.runner = runner
+        self._metrics = metrics
+        self.instance_id = uuid.uuid4().hex
+        self._info = convert.model_info_to_proto(runner.info, self.instance_id)
+        self._session_open = False
+        self._resets: list[Future[None]] = []  # buffer drops of ended sessions, still queued on the worker
+        self._steps = 0
+
+    async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return self._info
+
+    async def GetState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> pb.ExecutorState:
+        self._resets = [f for f in self._resets if not f.done()]
+        return pb.ExecutorState(
+            buffers=self.runner.num_buffers,
+            steps=self._steps,
+            # An ended session counts as open until its buffers are gone, so "closed" implies "0 buffers".
+            session_open=self._session_open or bool(self._resets),
+        )
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionReply]:
+        if self._session_open:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "another scheduler session is open on this executor; one executor serves one scheduler",
+            )
+        self._session_open = True  # set before any await: the loop runs one handler at a time until then
+        try:
+            await context.send_initial_metadata(((SESSION_METADATA_KEY, self.instance_id),))
+            pending: asyncio.Queue[_Pending | None] = asyncio.Queue()
+            reader = asyncio.create_task(self._read(request_iterator, pending))
+            try:
+                while (item := await pending.get()) is not None:
+                    yield await self._answer(item)
+            finally:
+                reader.cancel()
+        finally:
+            self._end_session()
+
+    # ---------------------------------------------------------------- session internals
+
+    async def _read(self, requests: AsyncIterator[pb.SessionRequest], out: asyncio.Queue[_Pending | None]) -> None:
+        """Launch each message as it arrives, without waiting for the ones before it to finish."""
+        try:
+            async for msg in requests:
+                out.put_nowait(self._start(msg))
+        except Exception:  # the stream broke: the answering side ends the session after the pending answers
+            log.warning("executor session stream failed", exc_info=True)
+        finally:
+            out.put_nowait(None)
+
+    def _start(self, msg: pb.SessionRequest) -> _Pending:
+        kind = msg.WhichOneof("kind")
+        if kind == "plan":
+            try:
+                plan = convert.plan_from_proto(msg.plan)
+                _check_plan(plan, self.runner.info)
+            except (InvalidRequestError, ProtocolError) as exc:
+                return _Pending(msg.plan.step_id, _failed(ProtocolError(str(exc))), _step_reply)
+            future = self.runner.launch(plan)
+            if self._metrics is not None:
+                self._metrics.track_step(plan, future)
+            return _Pending(plan.step_id, future, _step_reply)
+        if kind == "release":
+            slots = tuple(msg.release.slots)
+            return _Pending(0, self.runner.release(slots), lambda _: _release_reply(slots))
+        return _Pending(0, _failed(ProtocolError("a session message must carry a plan or a release")), _step_reply)
+
+    async def _answer(self, item: _Pending) -> pb.SessionReply:
+        try:
+            value = await asyncio.wrap_future(item.future)
+        except ProtocolError as exc:
+            return _error_reply(item.step_id, "protocol", str(exc))
+        except Exception as exc:  # a failed forward: report it, keep the session (later steps still run)
+            log.exception("executor step %d failed", item.step_id)
+            return _error_reply(item.step_id, "internal", f"{type(exc).__name__}: {exc}")
+        if isinstance(value, StepResult):
+            self._steps += 1
+        return item.reply(value)
+
+    def _end_session(self) -> None:
+        self._session_open = False
+        self._resets.append(self.runner.reset())
+
+
+def _check_plan(plan: StepPlan, info: ModelInfo) -> None:
+    """Refuse values no scheduler may send before they reach the model, where they would be internal errors."""
+    for entry in plan.entries:
+        who = f"request {entry.request_id}"
+        if entry.new is not None:
+            entry.new.params.validate(info.vocab_size)
+            _check_ids(entry.new.prompt_ids, info.vocab_size, f"{who}: prompt token")
+        _check_ids(entry.input_ids, info.vocab_size, f"{who}: input token")
+        _check_ids(entry.page_table, info.num_pages, f"{who}: page")
+        if entry.input_ref and entry.input_ids:
+            raise ProtocolError(f"{who}: an input reference carries no input ids")
+        if entry.num_tokens == 0:
+            raise ProtocolError(f"{who}: an entry needs at least one input token")
+        if len(entry.page_table) * info.page_size < entry.end_pos:
+            raise ProtocolError(f"{who}: {len(entry.page_table)} pages do not cover positions [0, {entry.end_pos})")
+
+
+def _check_ids(ids: tuple[int, ...], bound: int, what: str) -> None:
+    bad = next((i for i in ids if i >= bound), None)
+    if bad is not None:
+        raise ProtocolError(f"{what} {bad} is outside [0, {bound})")
+
+
+def _failed(exc: Exception) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(exc)
+    return future
+
+
+def _step_reply(result: StepResult) -> pb.SessionReply:
+    return pb.SessionReply(result=convert.result_to_proto(result))
+
+
+def _release_reply(slots: tuple[int, ...]) -> pb.SessionReply:
+    return pb.SessionReply(released=pb.ReleaseDone(slots=slots))
+
+
+def _error_reply(step_id: int, code: str, message: str) -> pb.SessionReply:
+    return pb.SessionReply(error=pb.StepError(step_id=step_id, code=code, message=message))
+
+
+# ---------------------------------------------------------------- serving
+
+
+class ExecutorServer:
+    """A started executor server: its bound port, its servicer and health service."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, servicer: ExecutorServicer, health: Any) -> None:
+        self.server = server
+        self.port = port
+        self.servicer = servicer
+        self.health = health
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING first, then stop: an open session is cancelled and its buffers are dropped."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def start_executor(
+    runner: ModelRunner, host: str = "127.0.0.1", port: int = 0, metrics: ExecutorMetrics | None = None
+) -> ExecutorServer:
+    """Serve ``runner`` (already loaded) on ``host:port`` (0 picks a free port) until stopped."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    servicer = ExecutorServicer(runner, metrics)
+    pb_grpc.add_ExecutorServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    return ExecutorServer(server, bound, servicer, health)
+
+
+class ExecutorThread:
+    """An executor served from a private event loop on a background thread (in-process setups and tests).
+
+    The caller keeps owning ``runner`` (and shuts it down after :meth:`stop`)."""
+
+    def __init__(self, runner: ModelRunner, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> None:
+        self._timeout = timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ordinal-executor-grpc", daemon=True)
+        self._thread.start()
+        start = asyncio.run_coroutine_threadsafe(start_executor(runner, host, port), self._loop)
+        self.server = start.result(timeout)
+        self.port = self.server.port
+
+    def stop(self, grace: float = 1.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(self._timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(self._timeout)
+        if not self._thread.is_alive():
+            self._loop.close()

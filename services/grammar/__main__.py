@@ -1,0 +1,77 @@
+"""``python -m services.grammar``: load the model's tokenizer, serve grammars, print ``GRAMMAR_READY port=<port>``.
+
+The launcher waits for that line on stdout. SIGTERM or SIGINT stops the server (open grammars are dropped with
+it), then the compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.grammar import CompilerConfig, ConstraintCompiler
+from engine.model.embedded import ensure_embedded_model
+from services.grammar.server import GrammarServiceConfig, start_grammar
+
+READY_LINE = "GRAMMAR_READY port={port}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = GrammarServiceConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m services.grammar",
+        description="ordinal grammar service: compiled grammars and one versioned matcher per constrained request.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one")
+    parser.add_argument("--model", default=None, help="HF model folder (tokenizer + config.json); default: embedded")
+    parser.add_argument("--cache-dir", default=None, help="where the embedded default model is built")
+    parser.add_argument("--compile-workers", type=int, default=CompilerConfig().workers, help="concurrent compiles")
+    parser.add_argument("--workers", type=int, default=defaults.workers, help="threads for commits and masks")
+    parser.add_argument(
+        "--fence-deadline-ms",
+        type=int,
+        default=int(defaults.fence_deadline_s * 1000),
+        help="how long a mask waits for its commit when a request leaves deadline_ms unset",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+    return parser
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    return ensure_embedded_model(Path(args.cache_dir) if args.cache_dir else None)
+
+
+async def serve(compiler: ConstraintCompiler, host: str, port: int, config: GrammarServiceConfig) -> None:
+    server = await start_grammar(compiler, host, port, config)
+    print(READY_LINE.format(port=server.port), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    compiler = ConstraintCompiler.from_model_dir(model_dir(args), CompilerConfig(workers=args.compile_workers))
+    config = GrammarServiceConfig(fence_deadline_s=args.fence_deadline_ms / 1000.0, workers=args.workers)
+    try:
+        asyncio.run(serve(compiler, args.host, args.port, config))
+    finally:
+        compiler.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""The grammar service: one :class:`~engine.grammar.GrammarRegistry` served as ``ordinal.grammar.v1.Grammar``.
+
+The event loop only converts and waits. Every xgrammar call (commit, mask, release) runs on a small thread
+pool and compiles run on the compiler's own pool, so a slow compile never delays a step's commits or masks.
+A fenced mask request that must wait for a commit holds no thread: it awaits a loop-side signal that the
+registry raises after every commit and release, then polls again (C3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from engine.errors import InvalidRequestError
+from engine.grammar import (
+    CompiledConstraint,
+    ConstraintCompiler,
+    GrammarProtocolError,
+    GrammarRegistry,
+    InvalidGrammarError,
+    MaskEntry,
+    MaskFence,
+    MaskOutcome,
+    Refusal,
+)
+from protos import grammar_pb2 as pb
+from protos import grammar_pb2_grpc as pb_grpc
+from services.grammar import convert
+from services.grpc_common import add_health_and_reflection
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Grammar"].full_name
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+# Answer this much before the caller's own gRPC deadline, so that a fence timeout arrives as per-entry
+# BEHIND_DEADLINE codes rather than as a DEADLINE_EXCEEDED of the whole call.
+_REPLY_MARGIN_S = 0.05
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GrammarServiceConfig:
+    """Deadlines (defaults for an unset ``deadline_ms`` and caps) and the xgrammar thread pool size."""
+
+    compile_deadline_s: float = 30.0
+    max_compile_deadline_s: float = 300.0
+    fence_deadline_s: float = 5.0
+    max_fence_deadline_s: float = 60.0
+    workers: int = 4
+
+    def __post_init__(self) -> None:
+        if min(self.compile_deadline_s, self.fence_deadline_s) <= 0 or self.workers < 1:
+            raise ValueError("deadlines must be > 0 and workers >= 1")
+
+
+class ChangeSignal:
+    """A loop-side counter of registry changes: a fence reads it, polls, then waits for it to move.
+
+    Reading before the poll and waiting for "moved since" means a commit that lands during the poll is never
+    missed. :meth:`notify_threadsafe` is what the registry calls, from whichever thread committed.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._generation = 0
+        self._moved = asyncio.Event()
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def notify_threadsafe(self) -> None:
+        self._loop.call_soon_threadsafe(self._bump)
+
+    def _bump(self) -> None:
+        self._generation += 1
+        self._moved.set()
+        self._moved = asyncio.Event()  # waiters hold the set one; later waiters get a fresh one
+
+    async def wait_past(self, seen: int, timeout_s: float) -> None:
+        """Return once the generation differs from ``seen``, or after ``timeout_s``."""
+        if self._generation != seen:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._moved.wait(), timeout=max(0.0, timeout_s))
+
+
+class GrammarServicer(pb_grpc.GrammarServicer):
+    """Translates the grammar protocol to registry calls; every per-entry refusal becomes that entry's code."""
+
+    def __init__(self, compiler: ConstraintCompiler, config: GrammarServiceConfig) -> None:
+        self._config = config
+        self._signal = ChangeSignal(asyncio.get_running_loop())
+        self.registry = GrammarRegistry(compiler, on_change=self._signal.notify_threadsafe)
+        self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grammar")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ---------------------------------------------------------------- Open
+
+    async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenReply:
+        timeout_s = _deadline_s(
+            request.deadline_ms, self._config.compile_deadline_s, self._config.max_compile_deadline_s, context
+        )
+        results: list[pb.OpenResult | None] = [None] * len(request.entries)
+        compiles: dict[int, asyncio.Future[CompiledConstraint]] = {}
+        claimed: set[str] = set()  # ids opened earlier in this batch
+        for i, entry in enumerate(request.entries):
+            try:
+                constraint = convert.constraint_from_proto(entry.constraint)
+                self.registry.check_can_open(entry.request_id)
+                if entry.request_id in claimed:
+                    raise GrammarProtocolError(Refusal.ALREADY_OPEN, f"{entry.request_id}: twice in one Open batch")
+            except (InvalidRequestError, GrammarProtocolError) as refused:
+                results[i] = _open_error(refused)
+                continue
+            claimed.add(entry.request_id)
+            compiles[i] = asyncio.wrap_future(self.registry.compiler.submit(constraint))
+        if compiles:
+            await asyncio.wait(compiles.values(), timeout=timeout_s)
+        attach: dict[int, CompiledConstraint] = {}
+        for i, future in compiles.items():
+            if not future.done():
+                # Not cancelled: the compile goes on and lands in the cache; only this answer gives up.
+                future.add_done_callback(_consume)
+                results[i] = pb.OpenResult(
+                    code=pb.DEADLINE_EXCEEDED, message=f"compile did not finish within {timeout_s:.3f}s"
+                )
+            elif future.cancelled():
+                results[i] = pb.OpenResult(code=pb.INTERNAL, message="compile cancelled: the service is stopping")
+            elif (error := future.exception()) is not None:
+                results[i] = _open_error(error)
+            else:
+                attach[i] = future.result()
+        if attach:
+            for i, result in (await self._run(self._attach, request, attach)).items():
+                results[i] = result
+        return pb.OpenReply(results=[r if r is not None else pb.OpenResult(code=pb.INTERNAL) for r in results])
+
+    def _attach(self, request: pb.OpenRequest, compiled: dict[int, CompiledConstraint]) -> dict[int, pb.OpenResult]:
+        answers: dict[int, pb.OpenResult] = {}
+        for i, grammar in compiled.items():
+            try:
+                self.registry.attach(request.entries[i].request_id, grammar)
+                answers[i] = pb.OpenResult(code=pb.OK)
+            except Exception as error:
+                answers[i] = _open_error(error)
+        return answers
+
+    # ---------------------------------------------------------------- Commit
+
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitReply:
+        entries = [convert.commit_entry_from_proto(e) for e in request.entries]
+        outcomes = await self._run(self.registry.commit, entries)
+        return pb.CommitReply(results=[convert.commit_outcome_to_proto(o) for o in outcomes])
+
+    # ---------------------------------------------------------------- FillMasks
+
+    async def FillMasks(self, request: pb.FillMasksRequest, context: grpc.aio.ServicerContext) -> pb.FillMasksReply:
+        timeout_s = _deadline_s(
+            request.deadline_ms, self._config.fence_deadline_s, self._config.max_fence_deadline_s, context
+        )
+        outcomes: list[MaskOutcome | None] = [None] * len(request.entries)
+        valid: list[tuple[int, MaskEntry]] = []
+        for i, message in enumerate(request.entries):
+            try:
+                valid.append((i, convert.mask_entry_from_proto(message)))
+            except GrammarProtocolError as refused:  # a malformed draft tree fails its entry only
+                outcomes[i] = MaskOutcome(None, refused.code, f"{message.request_id}: {refused}")
+        fenced = await self._fence([entry for _, entry in valid], timeout_s)
+        for (i, _), outcome in zip(valid, fenced, strict=True):
+            outcomes[i] = outcome
+        done = [o if o is not None else MaskOutcome(None, Refusal.INTERNAL, "unanswered") for o in outcomes]
+        return await self._run(convert.encode_masks, done, self.registry.compiler.words_per_row)
+
+    async def _fence(self, entries: list[MaskEntry], timeout_s: float) -> list[MaskOutcome]:
+        """C3 on the loop: poll on the pool, and between polls await the next commit or release, never a thread."""
+        fence = MaskFence(self.registry, entries, timeout_s)
+        while True:
+            seen = self._signal.generation  # before the poll: a commit during the poll then ends the wait at once
+            if await self._run(fence.poll) or fence.remaining_s() <= 0:
+                return fence.outcomes()
+            await self._signal.wait_past(seen, fence.remaining_s())
+
+    # ---------------------------------------------------------------- Release / GetState
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
+        # On the pool: releasing waits for a mask computation in progress on the same matcher.
+        refusals = await self._run(self.registry.release, list(request.request_ids))
+        return pb.ReleaseReply(codes=[pb.OK if r is None else convert.REFUSAL_CODES[r] for r in refusals])
+
+    async def GetState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> pb.GrammarState:
+        compiler = self.registry.compiler
+        stats = compiler.stats()
+        return pb.GrammarState(
+            num_open=self.registry.num_open,
+            vocab_size=compiler.vocab_size,
+            words_per_row=compiler.words_per_row,
+            compile_cache_hits=stats.hits,
+            compile_cache_misses=stats.misses,
+            compile_cache_entries=stats.entries,
+        )
+
+
+def _deadline_s(requested_ms: int, default_s: float, cap_s: float, context: grpc.aio.ServicerContext) -> float:
+    """The wait allowed: the request's (0 = default), capped, and ending before the call's own deadline."""
+    wait_s = min(requested_ms / 1000.0 if requested_ms > 0 else default_s, cap_s)
+    remaining = context.time_remaining()
+    if remaining is not None:
+        wait_s = min(wait_s, remaining - _REPLY_MARGIN_S)
+    return max(0.0, wait_s)
+
+
+def _open_error(error: BaseException) -> pb.OpenResult:
+    if isinstance(error, InvalidGrammarError):  # xgrammar's own reason, for the person who wrote the grammar
+        return pb.OpenResult(code=pb.INVALID_ARGUMENT, message=error.reason)
+    if isinstance(error, InvalidRequestError):
+        return pb.OpenResult(code=pb.INVALID_ARGUMENT, message=str(error))
+    if isinstance(error, GrammarProtocolError):
+        return pb.OpenResult(code=convert.REFUSAL_CODES[error.code], message=str(error))
+    log.error("grammar open failed unexpectedly", exc_info=error)
+    return pb.OpenResult(code=pb.INTERNAL, message=f"{type(error).__name__}: {error}")
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned compile's outcome so that asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
+# ---------------------------------------------------------------- serving
+
+
+class GrammarServer:
+    """A started grammar server: its bound port, servicer and health service."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, servicer: GrammarServicer, health: Any) -> None:
+        self.server = server
+        self.port = port
+        self.servicer = servicer
+        self.health = health
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """NOT_SERVING first, then stop serving, then the xgrammar pool."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        self.servicer.close()
+
+
+async def start_grammar(
+    compiler: ConstraintCompiler,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: GrammarServiceConfig = GrammarServiceConfig(),
+) -> GrammarServer:
+    """Serve grammars compiled by ``compiler`` on ``host:port`` (0 picks a free port) until stopped."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    servicer = GrammarServicer(compiler, config)
+    pb_grpc.add_GrammarServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    return GrammarServer(server, bound, servicer, health)
+
+
+class GrammarThread:
+    """A grammar service on a private event loop in a background thread (in-process setups and tests).
+
+    The caller keeps owning ``compiler`` (and shuts it down after :meth:`stop`).
+    """
+
+    def __init__(
+        self,
+        compiler: ConstraintCompiler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        config: GrammarServiceConfig = GrammarServiceConfig(),
+        timeout: float = 30.0,
+    ) -> None:
+        self._timeout = timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ordinal-grammar-grpc", daemon=True)
+        self._thread.start()
+        start = asyncio.run_coroutine_threadsafe(start_grammar(compiler, host, port, config), self._loop)
+        self.server = start.result(timeout)
+        self.port = self.server.port
+
+    @property
+    def registry(self) -> GrammarRegistry:
+        return self.server.servicer.registry
+
+    def stop(self, grace: float = 1.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(self._timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(self._timeout)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -1,0 +1,24 @@
+"""What every ordinal gRPC server registers besides its own services: grpc.health.v1 and server reflection."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+
+def add_health_and_reflection(
+    server: grpc.Server | grpc.aio.Server, service_names: Sequence[str]
+) -> health.HealthServicer | health.aio.HealthServicer:
+    """Register the health service and reflection (listing ``service_names``, health and reflection itself).
+
+    Returns the health servicer (the asyncio one for a ``grpc.aio`` server): the caller sets each service's
+    status, e.g. SERVING once its model is loaded. Until then a check of a named service answers NOT_FOUND.
+    """
+    servicer = health.aio.HealthServicer() if isinstance(server, grpc.aio.Server) else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return servicer

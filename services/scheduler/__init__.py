@@ -1,0 +1,1 @@
+"""The scheduler service: SGLang's public gRPC API (``SglangScheduler`` from smg-grpc-proto) over the engine."""

@@ -1,0 +1,142 @@
+"""Building and running the scheduler's grpc.aio server: ``SglangScheduler``, grpc.health.v1 and reflection.
+
+grpc.health.v1 reports SERVING, for the server ("") and for ``SglangScheduler``, only while the executor answers:
+a monitor task probes it every ``HEALTH_REFRESH_S`` seconds (off the event loop) and once before serving starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from engine.engine import Engine
+from services.grpc_common import add_health_and_reflection
+from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer, executor_health, served_model
+
+log = logging.getLogger(__name__)
+
+HEALTH_REFRESH_S = 2.0
+
+_T = TypeVar("_T")
+
+
+class ExecutorHealthMonitor:
+    """Keeps grpc.health.v1 statuses in step with the executor's health probe."""
+
+    def __init__(self, engine: Engine, health_servicer: health.aio.HealthServicer, services: Sequence[str]) -> None:
+        self._engine = engine
+        self._health = health_servicer
+        self._services = ("", *services)
+
+    async def refresh(self) -> bool:
+        healthy, _ = await executor_health(self._engine)
+        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in self._services:
+            await self._health.set(service, status)
+        return healthy
+
+    async def run(self, interval: float = HEALTH_REFRESH_S) -> None:
+        """Refresh every ``interval`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(interval)
+            await self.refresh()
+
+
+class SchedulerServer:
+    """The scheduler's gRPC server around one engine. Start and stop it on one event loop."""
+
+    def __init__(self, engine: Engine, served_model_name: str | None = None, executor: str | None = None) -> None:
+        self.engine = engine
+        self.servicer = SchedulerServicer(engine, served_model(engine.info, served_model_name), executor)
+        self._health: health.aio.HealthServicer | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind and start serving; returns the bound port (useful with port 0)."""
+        server = grpc.aio.server()
+        pb_grpc.add_SglangSchedulerServicer_to_server(self.servicer, server)
+        health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
+        assert isinstance(health_servicer, health.aio.HealthServicer)  # an aio server gets the asyncio servicer
+        self._health = health_servicer
+        monitor = ExecutorHealthMonitor(self.engine, health_servicer, [SERVICE_NAME])
+        await monitor.refresh()  # the first health answer already reflects the executor
+        bound = server.add_insecure_port(_address(host, port))
+        if bound == 0:
+            raise OSError(f"cannot bind {_address(host, port)}")
+        await server.start()
+        self._server = server
+        self._health_task = asyncio.create_task(monitor.run(), name="executor-health")
+        log.info("scheduler serving on %s", _address(host, bound))
+        return bound
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop accepting RPCs, let those in flight finish for ``grace`` seconds, then cancel them (which aborts
+        their engine requests). The engine itself is the caller's to shut down."""
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._server is not None:
+            await self._server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+class ThreadedServer:
+    """A :class:`SchedulerServer` on its own event loop thread, for tests and for embedding in sync code."""
+
+    def __init__(self, engine: Engine, served_model_name: str | None = None, executor: str | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="scheduler-grpc", daemon=True)
+        self._engine = engine
+        self._name = served_model_name
+        self._executor = executor
+        self.server: SchedulerServer | None = None
+        self.port = 0
+
+    def start(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> int:
+        self._thread.start()
+        self.server = self._call(self._create(), timeout)
+        self.port = self._call(self.server.start(host, port), timeout)
+        return self.port
+
+    async def _create(self) -> SchedulerServer:
+        # Built on the server's loop: grpc.aio and the health servicer bind to the loop they are created on.
+        return SchedulerServer(self._engine, self._name, self._executor)
+
+    def stop(self, grace: float | None = 1.0, timeout: float = 30.0) -> None:
+        if not self._thread.is_alive():
+            return
+        if self.server is not None:
+            self._call(self.server.stop(grace), timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        self._loop.close()
+
+    def _call(self, coro: Coroutine[Any, Any, _T], timeout: float) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def __enter__(self) -> ThreadedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # a bare IPv6 address
+    return f"{host}:{port}"

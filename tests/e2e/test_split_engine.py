@@ -1,0 +1,236 @@
+"""The engine split in two: the scheduler (Engine) drives a real executor service over gRPC.
+
+Same outputs as the in-process engine, nothing leaked on either side, and an executor that dies mid-run
+ends every request it held with an executor abort (no hang), after which a restarted executor serves again.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+from typing import IO
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import RequestOutput
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.stop import AbortCause, FinishReason
+from protos import executor_pb2 as pb
+from protos import executor_pb2_grpc as pb_grpc
+from services.executor.server import ExecutorThread
+from services.remote_runner import RemoteRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 60.0
+
+Workload = tuple[list[list[int]], list[SamplingParams], list[list[int]]]
+
+
+@pytest.fixture(scope="module")
+def config(embedded_model_dir: Path) -> EngineConfig:
+    return EngineConfig(model_path=str(embedded_model_dir), page_size=8, num_pages=256, max_running=16, chunk_size=32)
+
+
+@pytest.fixture(scope="module")
+def workload(config: EngineConfig) -> Workload:
+    """16 greedy requests of mixed lengths (about half longer than the chunk size) and their in-process outputs."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(3, 90))] for _ in range(16)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=4 + (i * 5) % 13, ignore_eos=True) for i in range(16)]
+    with Engine(config) as local:
+        expected = _outputs(local, prompts, params)
+    return prompts, params, expected
+
+
+@pytest.fixture(scope="module")
+def runner(config: EngineConfig) -> Iterator[ModelRunner]:
+    loaded = ModelRunner.load(config)
+    yield loaded
+    loaded.shutdown()
+
+
+@pytest.fixture(scope="module")
+def executor(runner: ModelRunner) -> Iterator[str]:
+    server = ExecutorThread(runner)
+    yield f"127.0.0.1:{server.port}"
+    server.stop()
+
+
+def _outputs(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    outs = engine.generate_batch(prompts, params, timeout=WAIT_S)
+    assert all(o.finish is not None and o.finish.reason is FinishReason.LENGTH for o in outs), outs
+    return [list(o.output_ids or ()) for o in outs]
+
+
+def _executor_buffers(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        return int(pb_grpc.ExecutorStub(channel).GetState(pb.StateRequest(), timeout=5).buffers)
+
+
+def _assert_baseline(engine: Engine, target: str) -> None:
+    assert engine.wait_idle(WAIT_S)
+    s = engine.stats()
+    assert s.free_pages + s.evictable_pages == s.total_pages, s
+    assert s.reserved_pages == 0 and s.free_slots == s.total_slots and s.inflight_steps == 0, s
+    assert _executor_buffers(target) == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_split_engine_matches_in_process(
+    config: EngineConfig, workload: Workload, executor: str, overlap: bool
+) -> None:
+    prompts, params, expected = workload
+    with Engine(replace(config, overlap=overlap), RemoteRunner.connect(executor, timeout=WAIT_S)) as engine:
+        assert _outputs(engine, prompts, params) == expected
+        _assert_baseline(engine, executor)
+        assert engine.runner.healthy()
+
+
+def test_executor_restarted_while_idle(config: EngineConfig, workload: Workload, runner: ModelRunner) -> None:
+    """A loss nobody was waiting on still reaches the scheduler: its prefix cache points at KV that is gone.
+
+    The first step after it fails with an executor abort (and the Engine drops its cache); the next one
+    reconnects and runs on the new executor with correct outputs.
+    """
+    prompts, params, expected = workload
+    server = ExecutorThread(runner)
+    target = f"127.0.0.1:{server.port}"
+    try:
+        with Engine(config, RemoteRunner.connect(target, timeout=WAIT_S)) as engine:
+            assert _outputs(engine, prompts[:4], params[:4]) == expected[:4]
+            assert engine.stats().evictable_pages > 0  # the prompts are cached
+            server.stop()
+            server = ExecutorThread(runner, port=int(target.rsplit(":", 1)[1]))
+            (lost,) = engine.generate_batch(prompts[:1], params[:1], timeout=WAIT_S)
+            assert lost.finish is not None and lost.finish.cause is AbortCause.EXECUTOR, lost
+            assert engine.stats().evictable_pages == 0
+            assert _outputs(engine, prompts, params) == expected
+            _assert_baseline(engine, target)
+    finally:
+        server.stop()
+
+
+class ExecutorProcess:
+    """``python -m services.executor`` as a child process; ready once it prints its port."""
+
+    def __init__(self, config: EngineConfig, port: int, log_path: Path) -> None:
+        assert config.model_path is not None
+        args = ["--model", config.model_path, "--page-size", str(config.page_size)]
+        args += ["--num-pages", str(config.num_pages), "--port", str(port)]
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.executor", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        stdout = self.proc.stdout
+        assert stdout is not None
+        threading.Thread(target=_pump, args=(stdout, lines), daemon=True).start()
+        self.port = self._wait_ready(lines)
+
+    def _wait_ready(self, lines: queue.SimpleQueue[str]) -> int:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line.startswith("EXECUTOR_READY port="):
+                return int(line.strip().split("=", 1)[1])
+        self.kill()
+        raise AssertionError("the executor process did not get ready")
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(WAIT_S)
+        self._log.close()
+
+    def terminate(self) -> int:
+        self.proc.terminate()
+        code = self.proc.wait(WAIT_S)
+        self._log.close()
+        return code
+
+
+def test_executor_killed_mid_run_then_restarted(config: EngineConfig, workload: Workload, tmp_path: Path) -> None:
+    prompts, params, expected = workload
+    first = ExecutorProcess(config, 0, tmp_path / "executor.log")
+    second: ExecutorProcess | None = None
+    try:
+        remote = RemoteRunner.connect(first.target, timeout=WAIT_S)
+        with Engine(config, remote) as engine:
+            started = threading.Event()
+            finals = [_submit_long(engine, prompts[i], started) for i in range(3)]
+            assert started.wait(WAIT_S)  # tokens are flowing: the requests are in flight
+            killed_at = time.monotonic()
+            first.kill()
+            outs = [f.result(timeout=WAIT_S) for f in finals]
+            assert time.monotonic() - killed_at < 15.0
+            for out in outs:
+                assert out.finish is not None and out.finish.reason is FinishReason.ABORT, out
+                assert out.finish.cause is AbortCause.EXECUTOR and "executor unavailable" in (out.finish.message or "")
+            assert not remote.healthy()
+            s = engine.stats()
+            assert s.free_pages == s.total_pages and s.reserved_pages == 0 and s.free_slots == s.total_slots, s
+
+            old_instance = remote.instance_id
+            second = ExecutorProcess(config, first.port, tmp_path / "executor.log")  # the same address
+            assert _eventually(remote.healthy)  # the channel's reconnect backoff is at most a second
+            assert _outputs(engine, prompts, params) == expected  # the lost prefix cache was not reused
+            assert remote.instance_id != old_instance
+            _assert_baseline(engine, second.target)
+        assert second.terminate() == 0  # SIGTERM stops it cleanly
+        second = None
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.proc.poll() is None:
+                proc.kill()
+
+
+def _submit_long(engine: Engine, prompt: list[int], started: threading.Event) -> Future[RequestOutput]:
+    """A request far longer than the test waits for; ``started`` is set on its first token."""
+    final: Future[RequestOutput] = Future()
+
+    def sink(out: RequestOutput) -> None:
+        if out.new_token_ids:
+            started.set()
+        if out.finished:
+            final.set_result(out)
+
+    engine.submit(prompt, SamplingParams(temperature=0.0, max_new_tokens=500, ignore_eos=True), sink)
+    return final
+
+
+def _eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+    return True
+
+
+def _pump(stream: IO[str], lines: queue.SimpleQueue[str]) -> None:
+    for line in stream:
+        lines.put(line)

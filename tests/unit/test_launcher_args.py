@@ -1,0 +1,326 @@
+"""The ``ordinal`` command line: flags, the engine-flag round trip, the probes and the process supervisor.
+
+The supervisor tests run real child processes (tiny ``python -c`` scripts, no torch), so that READY detection,
+death reports and the stop escalation are exercised on real pipes, signals and exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.config import EngineConfig
+from services.launcher import (
+    DEFAULT_METRICS_PORT,
+    Endpoints,
+    ServiceFailedError,
+    StopRequestedError,
+    StopSignal,
+    Supervisor,
+    _metrics_ports,
+    add_engine_args,
+    build_parser,
+    engine_argv,
+    engine_config,
+    main,
+    smg_argv,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------- flags
+
+
+def test_engine_args_defaults_are_the_engine_config_defaults() -> None:
+    args = _engine_parser().parse_args([])
+    assert engine_config(args) == EngineConfig()
+    assert args.metrics_port == 0 and args.log_level == "INFO"
+
+
+def test_engine_argv_round_trips_every_engine_flag() -> None:
+    flags = [
+        "--model",
+        "/m",
+        "--device",
+        "cuda:1",
+        "--dtype",
+        "bfloat16",
+        "--page-size",
+        "32",
+        "--num-pages",
+        "77",
+        "--max-running",
+        "5",
+        "--chunk-size",
+        "64",
+        "--no-overlap",
+        "--no-prefix-cache",
+    ]
+    parser = _engine_parser()
+    args = parser.parse_args(flags)
+    again = parser.parse_args(["--model", "/m", *engine_argv(args)])
+    assert engine_config(again) == engine_config(args)
+    assert engine_config(args) == EngineConfig(
+        model_path="/m",
+        device="cuda:1",
+        dtype="bfloat16",
+        page_size=32,
+        num_pages=77,
+        max_running=5,
+        chunk_size=64,
+        overlap=False,
+        prefix_cache=False,
+    )
+
+
+def test_serve_defaults_are_the_documented_interface() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.executor_port, args.gateway_port) == ("127.0.0.1", 30000, 30001, 8000)
+    assert args.no_gateway is False and args.model is None and args.served_model_name is None
+    assert args.metrics_port == DEFAULT_METRICS_PORT and args.log_level == "INFO"
+    assert engine_config(args) == EngineConfig()
+
+
+def test_serve_flags_parse() -> None:
+    argv = "serve --model /x --host 0.0.0.0 --port 1 --gateway-port 2 --executor-port 3 --no-gateway --page-size 8 "
+    argv += "--num-pages 9 --chunk-size 10 --no-overlap --metrics-port 4 --served-model-name m --log-level debug"
+    args = build_parser().parse_args(argv.split())
+    assert (args.host, args.port, args.gateway_port, args.executor_port, args.metrics_port) == ("0.0.0.0", 1, 2, 3, 4)
+    assert args.no_gateway and args.no_overlap and args.served_model_name == "m" and args.log_level == "DEBUG"
+    assert engine_config(args).page_size == 8 and engine_config(args).num_pages == 9
+    assert engine_config(args).chunk_size == 10
+
+
+def test_every_flag_has_help() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("serve", "gateway", "healthcheck", "generate"):
+        for action in subparsers.choices[name]._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"ordinal {name} {action.option_strings[0]} has no help"
+
+
+def test_metrics_ports_from_the_base() -> None:
+    args = build_parser().parse_args(["serve", "--metrics-port", "9100"])
+    assert _metrics_ports(args) == {"scheduler": 9100, "executor": 9101, "gateway": 9102}
+    args = build_parser().parse_args(["serve", "--metrics-port", "0"])
+    assert set(_metrics_ports(args).values()) == {0}
+
+
+def test_smg_argv_is_the_documented_command() -> None:
+    argv = smg_argv(
+        "/v/bin/smg",
+        host="127.0.0.1",
+        port=8000,
+        worker_url="grpc://127.0.0.1:30000",
+        model_dir=Path("/models/m"),
+        metrics_port=29002,
+        log_level="WARNING",
+    )
+    assert argv[:2] == ["/v/bin/smg", "launch"]
+    pairs = dict(zip(argv[2::2], argv[3::2], strict=False))
+    assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "8000"
+    assert pairs["--worker-urls"] == "grpc://127.0.0.1:30000" and pairs["--model-path"] == "/models/m"
+    assert pairs["--backend"] == "sglang" and pairs["--prometheus-port"] == "29002"
+    assert pairs["--log-level"] == "warn"
+
+
+def test_ready_line_names_endpoints_and_pids() -> None:
+    ep = Endpoints("127.0.0.1", 1, 2, "http://127.0.0.1:3/v1", "m", {}, {"executor": 10, "scheduler": 11})
+    assert ep.ready_line() == (
+        "ORDINAL_READY scheduler=127.0.0.1:1 executor=127.0.0.1:2 gateway=http://127.0.0.1:3/v1 "
+        "executor_pid=10 scheduler_pid=11"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- probes
+
+
+@pytest.fixture
+def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(None)
+
+
+def test_healthcheck_grpc(health_server: tuple[str, health.HealthServicer], capsys: pytest.CaptureFixture[str]) -> None:
+    target, servicer = health_server
+    assert main(["healthcheck", target]) == 0
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert main(["healthcheck", target]) == 1
+    assert main(["healthcheck", target, "--service", "no.such.Service", "--timeout", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "SERVING" in out and "NOT_SERVING" in out and "NOT_FOUND" in out
+
+
+def test_healthcheck_unreachable_is_bounded() -> None:
+    started = time.monotonic()
+    assert main(["healthcheck", "127.0.0.1:1", "--timeout", "2"]) == 1
+    assert time.monotonic() - started < 10
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/ok" else 503)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_healthcheck_http() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert main(["healthcheck", f"{base}/ok"]) == 0
+        assert main(["healthcheck", f"{base}/readiness"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_healthcheck_does_not_import_torch() -> None:
+    code = (
+        "import sys; from services.launcher import main; main(['healthcheck', '127.0.0.1:1', '--timeout', '1']); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------- supervisor
+
+
+def _script(body: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(body)]
+
+
+READY_THEN_WAIT = """
+    import signal, sys, time
+    print("FAKE_READY port=4242", flush=True)
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    time.sleep(60)
+"""
+
+
+def _stop_logger(name: str, log: Path) -> list[str]:
+    body = f"""
+        import signal, sys, time
+        def stop(*_):
+            with open({str(log)!r}, "a") as f:
+                f.write({name!r} + "\\n")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        print("FAKE_READY port=4242", flush=True)
+        time.sleep(60)
+    """
+    return _script(body)
+
+
+def test_supervisor_reads_the_ready_port_and_stops_in_reverse_order(tmp_path: Path) -> None:
+    log = tmp_path / "stops"
+    with Supervisor(StopSignal(), stop_timeout=10) as sup:
+        children = []
+        for name in ("executor", "scheduler", "gateway"):
+            children.append(sup.launch(name, _stop_logger(name, log)))
+            assert sup.wait_ready_line(children[-1], "FAKE", timeout=30) == 4242
+        assert list(sup.pids()) == ["executor", "scheduler", "gateway"]
+    assert [c.exited() for c in children] == [0, 0, 0]
+    assert log.read_text().split() == ["gateway", "scheduler", "executor"]
+
+
+def test_supervisor_reports_a_child_that_dies_while_starting() -> None:
+    body = """
+        import sys
+        print("loading the model", file=sys.stderr)
+        print("RuntimeError: out of memory", file=sys.stderr)
+        sys.exit(3)
+    """
+    with Supervisor(StopSignal(), stop_timeout=5) as sup:
+        child = sup.launch("executor", _script(body))
+        with pytest.raises(ServiceFailedError) as err:
+            sup.wait_ready_line(child, "EXECUTOR", timeout=30)
+    message = str(err.value)
+    assert "executor" in message and "exit code 3" in message and "RuntimeError: out of memory" in message
+
+
+def test_supervisor_startup_wait_is_bounded() -> None:
+    with Supervisor(StopSignal(), stop_timeout=5) as sup:
+        child = sup.launch("slow", _script("import time; time.sleep(60)"))
+        started = time.monotonic()
+        with pytest.raises(ServiceFailedError, match="not ready after"):
+            sup.wait_ready_line(child, "SLOW", timeout=0.5)
+        assert time.monotonic() - started < 5
+    assert child.exited() is not None
+
+
+def test_supervisor_watch_returns_the_dead_child_with_its_signal() -> None:
+    with Supervisor(StopSignal(), stop_timeout=5) as sup:
+        child = sup.launch("executor", _script(READY_THEN_WAIT))
+        sup.wait_ready_line(child, "FAKE", timeout=30)
+        assert child.proc is not None
+        child.proc.kill()
+        dead = sup.wait_until_stopped_or_dead()
+    assert dead == [child]
+    assert "killed by SIGKILL" in child.death_report()
+
+
+def test_supervisor_kills_a_child_that_ignores_sigterm() -> None:
+    body = """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("STUBBORN_READY port=1", flush=True)
+        time.sleep(60)
+    """
+    sup = Supervisor(StopSignal(), stop_timeout=0.5)
+    child = sup.launch("stubborn", _script(body))
+    sup.wait_ready_line(child, "STUBBORN", timeout=30)
+    started = time.monotonic()
+    sup.stop_all()
+    assert child.exited() == -9 and time.monotonic() - started < 10
+
+
+def test_supervisor_stop_signal_interrupts_startup() -> None:
+    stop = StopSignal()
+    with Supervisor(stop, stop_timeout=5) as sup:
+        child = sup.launch("slow", _script("import time; time.sleep(60)"))
+        threading.Timer(0.3, stop.requested.set).start()
+        with pytest.raises(StopRequestedError):
+            sup.wait_ready_line(child, "SLOW", timeout=30)
+    assert child.exited() is not None
+
+
+# ---------------------------------------------------------------------------------------------- passthrough
+
+
+def test_executor_subcommand_execs_the_service_module() -> None:
+    cmd = [sys.executable, "-m", "services.launcher", "executor", "--help"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "python -m services.executor" in done.stdout and "--page-size" in done.stdout
