@@ -221,6 +221,8 @@ class Engine:
         while not self._stopping:
             self._wake.clear()  # before draining: a submit after this point wakes the wait below
             self._drain_inbox()
+            if not inflight and (lost := self.runner.take_loss()) is not None:
+                self._executor_lost(None, lost)  # lost while idle: handle it before planning anything new
             with self._lock:
                 plan = self.scheduler.plan()
             if plan is not None:
@@ -240,7 +242,7 @@ class Engine:
         try:
             result = future.result()
         except ExecutorUnavailableError as exc:
-            self._executor_lost(plan, str(exc))
+            self._executor_lost(plan.step_id, str(exc))
             return
         except Exception as exc:  # the executor failed this step: end its requests, keep serving others
             log.exception("step %d failed", plan.step_id)
@@ -254,9 +256,9 @@ class Engine:
         self._timeline.step_committed(plan, result)
         self._deliver(outcome)
 
-    def _executor_lost(self, plan: StepPlan, reason: str) -> None:
+    def _executor_lost(self, step_id: int | None, reason: str) -> None:
         """The executor session ended: fail every step in flight, then every request (their KV is gone)."""
-        log.warning("executor unavailable at step %d: %s", plan.step_id, reason)
+        log.warning("executor unavailable (step %s): %s", step_id, reason)
         message = f"executor unavailable: {reason}"
         self._inflight.clear()
         with self._lock:

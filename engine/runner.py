@@ -60,6 +60,10 @@ class StepRunner(Protocol):
         """True when the executor answers now (bounded wait)."""
         ...
 
+    def take_loss(self) -> str | None:
+        """Why the executor lost its state (KV, buffers) if no launched step has reported it yet; else None."""
+        ...
+
 
 @dataclass
 class SlotBuffer:
@@ -130,6 +134,9 @@ class ModelRunner:
 
     def healthy(self) -> bool:
         return not self._worker._shutdown
+
+    def take_loss(self) -> str | None:
+        return None  # in process, the executor's state lives and dies with the engine
 
     @property
     def num_buffers(self) -> int:

@@ -284,7 +284,8 @@ class Scheduler:
     def executor_lost(self, message: str) -> CommitOutcome:
         """The executor's session ended and with it every KV page and per-request buffer it held.
 
-        Every step in flight fails and every request ends with an abort caused by the executor. Nothing enters
+        Every step in flight fails and every admitted request ends with an abort caused by the executor (queued
+        ones hold nothing of the executor's and stay queued). Nothing enters
         the prefix cache and everything cached is dropped, since the KV behind it is gone. Released slots are
         not reported: the executor has no buffers left to free.
         """
@@ -295,9 +296,8 @@ class Scheduler:
             while self._inflight:
                 outputs.extend(self.fail_step(self._inflight[0].step_id, message).outputs)
             for req in list(self._requests.values()):
-                if req.state is RequestState.QUEUED:
-                    self._waiting.remove(req)
-                if not req.finishing:
+                # A queued request holds nothing of the executor's: it waits and runs on the next session.
+                if req.state is not RequestState.QUEUED and not req.finishing:
                     outputs.extend(self._finish_now(req, finish).outputs)
         finally:
             self._kv_lost = False

@@ -190,17 +190,19 @@ class StateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GrammarState(_message.Message):
-    __slots__ = ("num_open", "vocab_size", "words_per_row", "compile_cache_hits", "compile_cache_misses", "compile_cache_entries")
+    __slots__ = ("num_open", "vocab_size", "words_per_row", "compile_cache_hits", "compile_cache_misses", "compile_cache_entries", "num_waiting")
     NUM_OPEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORDS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
     COMPILE_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     COMPILE_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     COMPILE_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     num_open: int
     vocab_size: int
     words_per_row: int
     compile_cache_hits: int
     compile_cache_misses: int
     compile_cache_entries: int
-    def __init__(self, num_open: _Optional[int] = ..., vocab_size: _Optional[int] = ..., words_per_row: _Optional[int] = ..., compile_cache_hits: _Optional[int] = ..., compile_cache_misses: _Optional[int] = ..., compile_cache_entries: _Optional[int] = ...) -> None: ...
+    num_waiting: int
+    def __init__(self, num_open: _Optional[int] = ..., vocab_size: _Optional[int] = ..., words_per_row: _Optional[int] = ..., compile_cache_hits: _Optional[int] = ..., compile_cache_misses: _Optional[int] = ..., compile_cache_entries: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...

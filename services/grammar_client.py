@@ -64,6 +64,7 @@ class GrammarServiceState:
     compile_cache_hits: int
     compile_cache_misses: int
     compile_cache_entries: int
+    num_waiting: int
 
 
 # ---------------------------------------------------------------- request building and reply reading
@@ -109,6 +110,7 @@ def _state(reply: pb.GrammarState) -> GrammarServiceState:
         compile_cache_hits=reply.compile_cache_hits,
         compile_cache_misses=reply.compile_cache_misses,
         compile_cache_entries=reply.compile_cache_entries,
+        num_waiting=reply.num_waiting,
     )
 
 

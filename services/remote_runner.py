@@ -133,6 +133,10 @@ class _Session:
     def lost(self) -> bool:
         return self._lost is not None
 
+    @property
+    def lost_reason(self) -> str | None:
+        return self._lost[0] if self._lost is not None else None
+
     def wait_accepted(self, timeout: float) -> None:
         if not self._answered.wait(timeout):
             self._closing = True
@@ -297,6 +301,24 @@ class RemoteRunner:
             self._conn.close()
 
     # ---------------------------------------------------------------- loss and reconnect
+
+    @property
+    def session_lost(self) -> bool:
+        """True once the current session has ended (until a launch reconnects)."""
+        return self._conn.session.lost
+
+    def take_loss(self) -> str | None:
+        """Why the session was lost, if no launch future has reported that loss yet; marks it seen.
+
+        The engine asks this before planning while nothing is in flight, so a loss that happened while it was
+        idle is handled (every request aborted, the prefix cache dropped) before a new request is planned,
+        instead of costing that request its first step."""
+        with self._loss_lock:
+            if self._seen >= self._losses:
+                return None
+            self._seen = self._losses
+        lost = self._conn.session.lost_reason
+        return lost or "the executor session was lost"
 
     def _session_lost(self, reason: str) -> int:
         log.warning("executor session lost: %s", reason)

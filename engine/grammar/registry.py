@@ -100,6 +100,7 @@ class GrammarRegistry:
         self._changed = threading.Condition(self._lock)
         self._generation = 0  # bumped by every commit batch and release; fences wait for it to move
         self._open: dict[str, VersionedMatcher] = {}
+        self._waiting = 0  # mask entries now waiting at a fence for their commit
         self._released: OrderedDict[str, None] = OrderedDict()
 
     @property
@@ -110,6 +111,12 @@ class GrammarRegistry:
     def num_open(self) -> int:
         with self._lock:
             return len(self._open)
+
+    @property
+    def num_waiting(self) -> int:
+        """Mask entries now waiting at a fence for the commit that reaches their ordinal."""
+        with self._lock:
+            return self._waiting
 
     @property
     def generation(self) -> int:
@@ -170,12 +177,12 @@ class GrammarRegistry:
 
     def fill_masks(self, entries: Sequence[MaskEntry], timeout_s: float) -> list[MaskOutcome]:
         """Fenced masks (C3): entries whose matcher is behind wait for its commit, at most ``timeout_s``."""
-        fence = MaskFence(self, entries, timeout_s)
-        while True:
-            seen = self.generation  # read before polling, so a commit during the poll is never missed
-            if fence.poll() or fence.remaining_s() <= 0:
-                return fence.outcomes()
-            self.wait_for_change(seen, fence.remaining_s())
+        with MaskFence(self, entries, timeout_s) as fence:
+            while True:
+                seen = self.generation  # read before polling, so a commit during the poll is never missed
+                if fence.poll() or fence.remaining_s() <= 0:
+                    return fence.outcomes()
+                self.wait_for_change(seen, fence.remaining_s())
 
     def wait_for_change(self, seen_generation: int, timeout_s: float) -> bool:
         """Block until a commit or release happened after ``seen_generation`` was read, or the timeout."""
@@ -227,6 +234,10 @@ class GrammarRegistry:
                 raise GrammarProtocolError(Refusal.RELEASED, f"{request_id}: the grammar was released")
         raise GrammarProtocolError(Refusal.UNKNOWN, f"{request_id}: no grammar is open under this id")
 
+    def _count_waiting(self, delta: int) -> None:
+        with self._lock:
+            self._waiting += delta
+
     def _bump(self) -> None:
         with self._changed:
             self._generation += 1
@@ -240,6 +251,7 @@ class MaskFence:
 
     Whoever drives it decides how to wait between polls (a condition variable, an asyncio event); it only
     re-polls the entries that are still behind, and turns those left at the deadline into BEHIND_DEADLINE.
+    Use it as a context manager: entries behind count in :attr:`GrammarRegistry.num_waiting` until it exits.
     """
 
     def __init__(self, registry: GrammarRegistry, entries: Sequence[MaskEntry], timeout_s: float) -> None:
@@ -249,6 +261,13 @@ class MaskFence:
         self._deadline = time.monotonic() + timeout_s
         self._outcomes: list[MaskOutcome | None] = [None] * len(self._entries)
         self._pending = list(range(len(self._entries)))
+        self._counted = 0  # how many of this fence's entries the registry counts as waiting
+
+    def __enter__(self) -> MaskFence:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._set_counted(0)
 
     def poll(self) -> bool:
         """Try every entry still behind; True when none is behind any more."""
@@ -256,6 +275,7 @@ class MaskFence:
         for i, outcome in zip(self._pending, answers, strict=True):
             self._outcomes[i] = outcome
         self._pending = [i for i, o in zip(self._pending, answers, strict=True) if o.refusal is Refusal.BEHIND]
+        self._set_counted(len(self._pending))
         return not self._pending
 
     def remaining_s(self) -> float:
@@ -264,6 +284,11 @@ class MaskFence:
     def outcomes(self) -> list[MaskOutcome]:
         """The answers, in entry order; entries still behind fail with BEHIND_DEADLINE."""
         return [self._final(entry, outcome) for entry, outcome in zip(self._entries, self._outcomes, strict=True)]
+
+    def _set_counted(self, waiting: int) -> None:
+        if waiting != self._counted:
+            self._registry._count_waiting(waiting - self._counted)
+            self._counted = waiting
 
     def _final(self, entry: MaskEntry, outcome: MaskOutcome | None) -> MaskOutcome:
         if outcome is None:  # never polled: the driver gave up before the first poll

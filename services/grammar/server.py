@@ -192,12 +192,12 @@ class GrammarServicer(pb_grpc.GrammarServicer):
 
     async def _fence(self, entries: list[MaskEntry], timeout_s: float) -> list[MaskOutcome]:
         """C3 on the loop: poll on the pool, and between polls await the next commit or release, never a thread."""
-        fence = MaskFence(self.registry, entries, timeout_s)
-        while True:
-            seen = self._signal.generation  # before the poll: a commit during the poll then ends the wait at once
-            if await self._run(fence.poll) or fence.remaining_s() <= 0:
-                return fence.outcomes()
-            await self._signal.wait_past(seen, fence.remaining_s())
+        with MaskFence(self.registry, entries, timeout_s) as fence:
+            while True:
+                seen = self._signal.generation  # before the poll: a commit during the poll ends the wait at once
+                if await self._run(fence.poll) or fence.remaining_s() <= 0:
+                    return fence.outcomes()
+                await self._signal.wait_past(seen, fence.remaining_s())
 
     # ---------------------------------------------------------------- Release / GetState
 
@@ -216,6 +216,7 @@ class GrammarServicer(pb_grpc.GrammarServicer):
             compile_cache_hits=stats.hits,
             compile_cache_misses=stats.misses,
             compile_cache_entries=stats.entries,
+            num_waiting=self.registry.num_waiting,
         )
 
 

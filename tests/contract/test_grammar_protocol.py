@@ -1,0 +1,409 @@
+"""The grammar service's side of the grammar protocol, tested from outside.
+
+A real grammar service (real xgrammar over the embedded model's tokenizer) is served on a loopback port; each
+test plays a scheduler or an executor over real gRPC stubs, often a misbehaving one, and checks that the
+service refuses what breaks a contract with a precise per-entry code and never answers with wrong data.
+
+Each test's docstring names the enforcement line whose removal makes it fail, and how; every one of them was
+checked once by deleting that line and running the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.grammar import (
+    CommitEntry,
+    Constraint,
+    ConstraintCompiler,
+    ConstraintKind,
+    DraftTree,
+    InvalidGrammarError,
+    MaskEntry,
+    MaskOutcome,
+    MaskRows,
+    Refusal,
+)
+from engine.model.tokenizer import Tokenizer
+from protos import grammar_pb2 as pb
+from protos import grammar_pb2_grpc as pb_grpc
+from services.grammar import convert
+from services.grammar.server import SERVICE_NAME, GrammarThread
+from services.grammar_client import AsyncGrammarClient, GrammarClient
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = '{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'
+VALID_JSON = '{"a": 12}'
+WAIT_S = 10.0  # every wait in these tests is bounded by this
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(embedded_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(embedded_model_dir: Path) -> Iterator[GrammarThread]:
+    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
+    served = GrammarThread(compiler)
+    yield served
+    served.stop()
+    compiler.shutdown()
+
+
+@pytest.fixture(scope="module")
+def target(server: GrammarThread) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def stub(target: str) -> Iterator[pb_grpc.GrammarStub]:
+    """A raw stub: the test is the peer. After each test every grammar it opened must be released (C9)."""
+    with grpc.insecure_channel(target) as channel:
+        grammar = pb_grpc.GrammarStub(channel)
+        yield grammar
+        state = grammar.GetState(pb.StateRequest(), timeout=WAIT_S)
+        assert (state.num_open, state.num_waiting) == (0, 0), "a grammar or a fenced wait outlived its test"
+
+
+@pytest.fixture
+def tokens(tokenizer: Tokenizer) -> list[int]:
+    return tokenizer.encode(VALID_JSON)
+
+
+def new_id() -> str:
+    return f"req-{uuid.uuid4().hex[:12]}"
+
+
+def open_one(stub: pb_grpc.GrammarStub, text: str = SCHEMA, kind: int = pb.JSON_SCHEMA) -> str:
+    rid = new_id()
+    entry = pb.OpenEntry(request_id=rid, constraint=pb.Constraint(kind=kind, text=text))
+    [result] = stub.Open(pb.OpenRequest(entries=[entry]), timeout=WAIT_S).results
+    assert result.code == pb.OK, result.message
+    return rid
+
+
+def commit(stub: pb_grpc.GrammarStub, rid: str, from_ordinal: int, tokens: list[int]) -> pb.CommitResult:
+    entry = pb.CommitEntry(request_id=rid, from_ordinal=from_ordinal, tokens=tokens)
+    [result] = stub.Commit(pb.CommitRequest(entries=[entry]), timeout=WAIT_S).results
+    return result
+
+
+def masks(stub: pb_grpc.GrammarStub, entries: list[pb.MaskEntry], deadline_ms: int = 2000) -> pb.FillMasksReply:
+    return stub.FillMasks(pb.FillMasksRequest(entries=entries, deadline_ms=deadline_ms), timeout=WAIT_S)
+
+
+def mask_row(reply: pb.FillMasksReply, index: int = 0) -> bytes:
+    [ref] = reply.results[index].row_refs
+    return reply.rows[ref]
+
+
+def release(stub: pb_grpc.GrammarStub, *rids: str) -> list[int]:
+    return list(stub.Release(pb.ReleaseRequest(request_ids=list(rids)), timeout=WAIT_S).codes)
+
+
+def wait_until_fenced(stub: pb_grpc.GrammarStub, count: int) -> None:
+    """Poll the service's own counter until ``count`` mask entries wait at its fence (bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    while stub.GetState(pb.StateRequest(), timeout=WAIT_S).num_waiting < count:
+        assert time.monotonic() < deadline, "the mask request never reached the fence"
+        time.sleep(0.005)
+
+
+# ---------------------------------------------------------------- C2: commits name their ordinal
+
+
+def test_commit_from_a_stale_ordinal_is_refused(stub: pb_grpc.GrammarStub, tokens: list[int]) -> None:
+    """C2. Enforced by `if from_ordinal < here:` in VersionedMatcher._check_commit; without it the tokens are
+    fed again from ordinal 3 (the grammar refuses `{"` after `{"a":`) and the code is OK, not STALE_ORDINAL."""
+    rid = open_one(stub)
+    assert commit(stub, rid, 0, tokens[:3]).new_ordinal == 3
+    stale = commit(stub, rid, 1, tokens[1:3])
+    assert stale.code == pb.STALE_ORDINAL and "ordinal 3" in stale.message
+    assert commit(stub, rid, 3, tokens[3:]).new_ordinal == len(tokens)  # nothing moved
+    assert release(stub, rid) == [pb.OK]
+
+
+def test_commit_from_a_future_ordinal_is_refused(stub: pb_grpc.GrammarStub, tokens: list[int]) -> None:
+    """C2. Enforced by `if from_ordinal > here:` in VersionedMatcher._check_commit; without it the tokens of
+    ordinal 3 are fed at ordinal 1, the grammar refuses them and the code is OK with a rejected_token."""
+    rid = open_one(stub)
+    assert commit(stub, rid, 0, tokens[:1]).new_ordinal == 1
+    gap = commit(stub, rid, 3, tokens[3:4])
+    assert gap.code == pb.FUTURE_ORDINAL and "gap" in gap.message
+    assert not gap.HasField("rejected_token")
+    assert commit(stub, rid, 1, tokens[1:]).new_ordinal == len(tokens)
+    assert release(stub, rid) == [pb.OK]
+
+
+def test_a_duplicate_commit_is_refused(stub: pb_grpc.GrammarStub, tokens: list[int]) -> None:
+    """C2: the same step result committed twice (also twice in one batch) is a replay.
+    Enforced by `if from_ordinal < here:` in VersionedMatcher._check_commit; without it the second copy is
+    fed and refused by the grammar: code OK with a rejected_token, and the grammar is finished."""
+    rid = open_one(stub)
+    entry = pb.CommitEntry(request_id=rid, from_ordinal=0, tokens=tokens[:2])
+    first, again = stub.Commit(pb.CommitRequest(entries=[entry, entry]), timeout=WAIT_S).results
+    assert (first.code, first.accepted, first.new_ordinal) == (pb.OK, 2, 2)
+    assert again.code == pb.STALE_ORDINAL
+    replay = stub.Commit(pb.CommitRequest(entries=[entry]), timeout=WAIT_S).results[0]
+    assert replay.code == pb.STALE_ORDINAL
+    assert commit(stub, rid, 2, tokens[2:]).code == pb.OK
+    assert release(stub, rid) == [pb.OK]
+
+
+# ---------------------------------------------------------------- C3: the fence
+
+
+def test_a_mask_at_a_past_ordinal_is_refused(stub: pb_grpc.GrammarStub, tokens: list[int]) -> None:
+    """C3: the grammar moved on; an old mask would be stale. Enforced by `if here > at_ordinal:` in
+    VersionedMatcher._check_mask; without it the mask of ordinal 2 is answered OK for a request of ordinal 1."""
+    rid = open_one(stub)
+    commit(stub, rid, 0, tokens[:2])
+    reply = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=1)])
+    [result] = reply.results
+    assert result.code == pb.AHEAD and not result.row_refs and not reply.rows
+    assert "ordinal 2" in result.message
+    assert release(stub, rid) == [pb.OK]
+
+
+def test_mask_and_commit_after_release_are_refused(stub: pb_grpc.GrammarStub, tokens: list[int]) -> None:
+    """Enforced by `if request_id in self._released: raise ... RELEASED` in GrammarRegistry._lookup; without
+    it the released id is answered UNKNOWN (the grammar is gone either way, but the peer's bug is not named)."""
+    rid = open_one(stub)
+    assert release(stub, rid, rid, "never-opened") == [pb.OK, pb.RELEASED, pb.UNKNOWN]
+    [result] = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=0)]).results
+    assert result.code == pb.RELEASED and not result.row_refs
+    assert commit(stub, rid, 0, tokens[:1]).code == pb.RELEASED
+
+
+def test_a_mask_for_a_future_ordinal_is_answered_by_the_later_commit(
+    stub: pb_grpc.GrammarStub, tokens: list[int]
+) -> None:
+    """C3, the overlapped order: the executor asks for ordinal 2 before the scheduler commits step N.
+    Enforced by the wake-up `self._on_change()` in GrammarRegistry._bump (the service's fence awaits it);
+    without it the fence sleeps to its 20 s deadline and the elapsed-time assertion fails."""
+    rid = open_one(stub)
+    commit(stub, rid, 0, tokens[:1])
+    request = pb.FillMasksRequest(entries=[pb.MaskEntry(request_id=rid, ordinal=2)], deadline_ms=20_000)
+    started = time.monotonic()
+    pending = stub.FillMasks.future(request, timeout=30)
+    wait_until_fenced(stub, 1)
+    assert commit(stub, rid, 1, tokens[1:2]).new_ordinal == 2
+    reply = pending.result(timeout=30)
+    assert time.monotonic() - started < 10, "the commit did not release the fenced mask"
+    assert reply.results[0].code == pb.OK
+    fresh = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=2)])
+    assert mask_row(reply) == mask_row(fresh), "the fenced mask is not the mask at ordinal 2"
+    assert release(stub, rid) == [pb.OK]
+
+
+def test_a_mask_for_an_ordinal_that_never_comes_fails_at_its_deadline(
+    stub: pb_grpc.GrammarStub, target: str, tokens: list[int]
+) -> None:
+    """C3: a bounded wait, a clean per-entry failure, the rest of the batch answered, the service healthy.
+    Enforced by `or fence.remaining_s() <= 0` in GrammarServicer._fence; without it the fence never gives
+    up and the call fails with DEADLINE_EXCEEDED for the whole batch."""
+    waiting, ready = open_one(stub), open_one(stub)
+    request = [
+        pb.MaskEntry(request_id=waiting, ordinal=5),
+        pb.MaskEntry(request_id=ready, ordinal=0),
+        pb.MaskEntry(request_id="nobody", ordinal=0),
+    ]
+    started = time.monotonic()
+    late, answered, unknown = masks(stub, request, deadline_ms=300).results
+    assert 0.3 <= time.monotonic() - started < WAIT_S
+    assert late.code == pb.BEHIND_DEADLINE and "ordinal 5" in late.message and not late.row_refs
+    assert answered.code == pb.OK and len(answered.row_refs) == 1
+    assert unknown.code == pb.UNKNOWN
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=WAIT_S
+        )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert commit(stub, waiting, 0, tokens).code == pb.OK
+    assert release(stub, waiting, ready) == [pb.OK, pb.OK]
+
+
+def test_a_release_ends_a_fenced_wait_at_once(stub: pb_grpc.GrammarStub) -> None:
+    """Enforced by `self._bump()` in GrammarRegistry.release; without it the fenced request sleeps until its
+    20 s deadline and answers BEHIND_DEADLINE instead of RELEASED."""
+    rid = open_one(stub)
+    request = pb.FillMasksRequest(entries=[pb.MaskEntry(request_id=rid, ordinal=3)], deadline_ms=20_000)
+    pending = stub.FillMasks.future(request, timeout=30)
+    wait_until_fenced(stub, 1)
+    assert release(stub, rid) == [pb.OK]
+    [result] = pending.result(timeout=30).results
+    assert result.code == pb.RELEASED
+
+
+# ---------------------------------------------------------------- C6 and C13 over the wire
+
+
+def test_tokens_after_termination_are_not_accepted(
+    stub: pb_grpc.GrammarStub, tokens: list[int], tokenizer: Tokenizer
+) -> None:
+    """C6. Enforced by the `break` after `self._state = MatcherState.TERMINATED` in VersionedMatcher._feed;
+    without it the token after eos is fed, xgrammar refuses it and `accepted` counts one token too many."""
+    rid = open_one(stub)
+    eos = min(tokenizer.eos_token_ids)
+    done = commit(stub, rid, 0, [*tokens, eos, *tokens[:2]])
+    assert (done.code, done.accepted, done.terminated) == (pb.OK, len(tokens) + 1, True)
+    assert not done.HasField("rejected_token") and done.new_ordinal == len(tokens) + 1
+    [result] = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=done.new_ordinal)]).results
+    assert result.code == pb.TERMINATED
+    assert release(stub, rid) == [pb.OK]
+
+
+def test_a_refused_token_is_reported_and_the_grammar_answers_nothing_more(
+    stub: pb_grpc.GrammarStub, tokens: list[int], tokenizer: Tokenizer
+) -> None:
+    """C13. Enforced by the rejection branch of VersionedMatcher._feed (`rejected = int(token)` and the state
+    REJECTED); without `self._state = MatcherState.REJECTED` the next commit is accepted instead of REJECTED."""
+    rid = open_one(stub)
+    bad = tokenizer.encode("x")[0]
+    result = commit(stub, rid, 0, [tokens[0], bad, tokens[1]])
+    assert (result.code, result.accepted, result.rejected_token, result.new_ordinal) == (pb.OK, 1, bad, 1)
+    assert commit(stub, rid, 1, tokens[1:2]).code == pb.REJECTED
+    [mask] = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=1)]).results
+    assert mask.code == pb.REJECTED
+    assert release(stub, rid) == [pb.OK]
+
+
+# ---------------------------------------------------------------- Open
+
+
+def test_a_bad_grammar_is_invalid_argument_with_xgrammars_reason(stub: pb_grpc.GrammarStub) -> None:
+    """Enforced by `except (RuntimeError, ValueError, TypeError)` in ConstraintCompiler._compile (the mapping
+    to InvalidGrammarError); without it xgrammar's error surfaces as INTERNAL without the grammar's reason."""
+    taken = open_one(stub)
+    good = new_id()
+    entries = [
+        pb.OpenEntry(request_id=new_id(), constraint=pb.Constraint(kind=pb.JSON_SCHEMA, text='{"type": "foo"}')),
+        pb.OpenEntry(request_id=new_id(), constraint=pb.Constraint(kind=pb.REGEX, text="[a-")),
+        pb.OpenEntry(request_id=good, constraint=pb.Constraint(kind=pb.EBNF, text='root ::= "yes" | "no"')),
+        pb.OpenEntry(request_id=taken, constraint=pb.Constraint(kind=pb.REGEX, text="a+")),
+        pb.OpenEntry(request_id=new_id(), constraint=pb.Constraint(text="a+")),  # kind unset
+    ]
+    schema, regex, ok, duplicate, no_kind = stub.Open(pb.OpenRequest(entries=entries), timeout=WAIT_S).results
+    assert schema.code == pb.INVALID_ARGUMENT and 'Unsupported type "foo"' in schema.message
+    assert regex.code == pb.INVALID_ARGUMENT and "Unclosed '['" in regex.message
+    assert ok.code == pb.OK
+    assert duplicate.code == pb.ALREADY_EXISTS
+    assert no_kind.code == pb.INVALID_ARGUMENT and "kind" in no_kind.message
+    assert release(stub, taken, good) == [pb.OK, pb.OK]
+
+
+# ---------------------------------------------------------------- draft trees and the client
+
+
+def test_draft_tree_masks_over_the_wire(stub: pb_grpc.GrammarStub, tokens: list[int]) -> None:
+    """C5 through the service: the tree's rows, then the committed state answers as before."""
+    rid = open_one(stub)
+    commit(stub, rid, 0, tokens[:1])
+    before = mask_row(masks(stub, [pb.MaskEntry(request_id=rid, ordinal=1)]))
+    tree = pb.DraftTree(tokens=tokens[1:4], parents=[-1, 0, 1])
+    cyclic = pb.DraftTree(tokens=tokens[1:3], parents=[1, 0])
+    reply = masks(
+        stub,
+        [pb.MaskEntry(request_id=rid, ordinal=1, draft=tree), pb.MaskEntry(request_id=rid, ordinal=1, draft=cyclic)],
+    )
+    good, bad = reply.results
+    assert good.code == pb.OK and len(good.row_refs) == 4
+    assert reply.rows[good.row_refs[0]] == before
+    assert bad.code == pb.INVALID_ARGUMENT and "ancestor" in bad.message
+    assert mask_row(masks(stub, [pb.MaskEntry(request_id=rid, ordinal=1)])) == before
+    assert commit(stub, rid, 1, tokens[1:]).code == pb.OK
+    assert release(stub, rid) == [pb.OK]
+
+
+def test_client_returns_engine_values(target: str, tokens: list[int]) -> None:
+    """The sync and async clients: typed per-entry results, masks as int32 [R, W] tensors."""
+    schema = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
+    rid, other = new_id(), new_id()
+    with GrammarClient(target) as client:
+        opened = client.open([(rid, schema), (other, Constraint(ConstraintKind.REGEX, "(("))])
+        assert opened[0].ok and isinstance(opened[1].error, InvalidGrammarError)
+        assert "parenthesis" in opened[1].error.reason
+        [stale, done] = client.commit([CommitEntry(rid, 1, (tokens[0],)), CommitEntry(rid, 0, (tokens[0],))])
+        assert stale.refusal is Refusal.FUTURE_ORDINAL and done.result is not None and done.result.new_ordinal == 1
+        state = client.get_state()
+        [row, tree] = client.fill_masks([MaskEntry(rid, 1), MaskEntry(rid, 1, DraftTree.chain(tokens[1:3]))], 2.0)
+        assert row.rows is not None and row.rows.words.shape == (1, state.words_per_row)
+        assert row.rows.words.dtype == torch.int32
+        assert tree.rows is not None and torch.equal(tree.rows.words[0], row.rows.words[0])
+
+    async def run_async() -> list[MaskOutcome]:
+        async with AsyncGrammarClient(target) as aclient:
+            outcomes = await aclient.fill_masks([MaskEntry(rid, 0), MaskEntry(rid, 1)], 1.0)
+            assert await aclient.release([rid]) == [None]
+            return outcomes
+
+    ahead, current = asyncio.run(run_async())
+    assert ahead.refusal is Refusal.AHEAD and current.rows is not None
+
+
+def test_mask_rows_are_deduplicated_and_full_rows_travel_as_flags() -> None:
+    """The packing: equal rows are sent once, rows allowing everything as the reference -1 without data."""
+    width = 4
+    row = torch.tensor([1, 2, 3, -(2**31)], dtype=torch.int32)  # [W]
+    full = torch.full((width,), -1, dtype=torch.int32)  # [W]
+    outcomes = [
+        MaskOutcome(MaskRows(torch.stack([row, full]), (False, True))),
+        MaskOutcome(None, Refusal.AHEAD, "ahead"),
+        MaskOutcome(MaskRows(row.clone()[None], (False,))),
+    ]
+    reply = convert.encode_masks(outcomes, width)
+    assert len(reply.rows) == 1 and len(reply.rows[0]) == width * 4
+    assert [list(r.row_refs) for r in reply.results] == [[0, -1], [], [0]]
+    entries = [MaskEntry("a", 0, DraftTree.chain([7])), MaskEntry("b", 0), MaskEntry("c", 0)]
+    decoded = convert.decode_masks(pb.FillMasksReply.FromString(reply.SerializeToString()), entries)
+    assert decoded[0].rows is not None and torch.equal(decoded[0].rows.words, torch.stack([row, full]))
+    assert decoded[0].rows.full == (False, True)
+    assert decoded[1].refusal is Refusal.AHEAD
+    assert decoded[2].rows is not None and torch.equal(decoded[2].rows.words[0], row)
+
+
+# ---------------------------------------------------------------- the process
+
+
+def test_the_service_process_serves_and_stops_on_sigterm(embedded_model_dir: Path) -> None:
+    """`python -m services.grammar` prints its ready line with the bound port, serves, and exits 0 on SIGTERM."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.grammar", "--host", "127.0.0.1", "--port", "0"]
+        + ["--model", str(embedded_model_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], 60)
+        assert ready, "no ready line within 60 s"
+        line = process.stdout.readline().strip()
+        assert line.startswith("GRAMMAR_READY port="), line
+        port = int(line.split("=", 1)[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            state = pb_grpc.GrammarStub(channel).GetState(pb.StateRequest(), timeout=WAIT_S)
+        assert state.num_open == 0 and state.words_per_row == (state.vocab_size + 31) // 32
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=WAIT_S)

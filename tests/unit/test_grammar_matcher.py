@@ -1,0 +1,374 @@
+"""The grammar engine (engine/grammar): compiler, versioned matcher and registry with its fence.
+
+Real xgrammar over the embedded model's tokenizer; no service. Each test names the contract it covers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.grammar import (
+    CommitEntry,
+    CommitResult,
+    CompiledConstraint,
+    Constraint,
+    ConstraintCompiler,
+    ConstraintKind,
+    DraftTree,
+    GrammarProtocolError,
+    GrammarRegistry,
+    GrammarTimeoutError,
+    InvalidGrammarError,
+    MaskEntry,
+    MaskOutcome,
+    MatcherState,
+    Refusal,
+    VersionedMatcher,
+)
+from engine.model.tokenizer import Tokenizer
+
+SCHEMA = '{"type":"object","properties":{"name":{"type":"string"},"n":{"type":"integer"}},"required":["name","n"]}'
+VALID_JSON = '{"name": "ab", "n": 12}'
+WAIT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(embedded_model_dir)
+
+
+@pytest.fixture(scope="module")
+def compiler(embedded_model_dir: Path) -> Iterator[ConstraintCompiler]:
+    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
+    yield compiler
+    compiler.shutdown()
+
+
+@pytest.fixture(scope="module")
+def schema(compiler: ConstraintCompiler) -> CompiledConstraint:
+    return compiler.compile(Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA), WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def eos(tokenizer: Tokenizer) -> int:
+    return min(tokenizer.eos_token_ids)
+
+
+@pytest.fixture
+def registry(compiler: ConstraintCompiler) -> GrammarRegistry:
+    return GrammarRegistry(compiler)
+
+
+def ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text)
+
+
+def allowed(row: torch.Tensor, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def mask_at(matcher: VersionedMatcher, ordinal: int) -> torch.Tensor:
+    row = torch.empty(matcher.words_per_row, dtype=torch.int32)  # [W]
+    matcher.fill_mask(ordinal, row)
+    return row
+
+
+def fill_in_thread(registry: GrammarRegistry, entries: list[MaskEntry]) -> tuple[threading.Thread, list[MaskOutcome]]:
+    """Run a fenced mask request on its own thread; its outcomes land in the returned list."""
+    answers: list[MaskOutcome] = []
+    thread = threading.Thread(target=lambda: answers.extend(registry.fill_masks(entries, WAIT_S)))
+    thread.start()
+    return thread, answers
+
+
+def refusal_of(call: object) -> Refusal:
+    assert isinstance(call, GrammarProtocolError), call
+    return call.code
+
+
+def refused(fn: object, *args: object) -> GrammarProtocolError:
+    with pytest.raises(GrammarProtocolError) as info:
+        fn(*args)  # type: ignore[operator]
+    return info.value
+
+
+# ---------------------------------------------------------------- compile
+
+
+def test_json_schema_accepts_valid_json_token_by_token(
+    schema: CompiledConstraint, tokenizer: Tokenizer, eos: int
+) -> None:
+    matcher = VersionedMatcher(schema)
+    tokens = ids(tokenizer, VALID_JSON)
+    for ordinal, token in enumerate(tokens):
+        assert allowed(mask_at(matcher, ordinal), token), f"mask at {ordinal} forbids the valid token {token}"
+        assert not allowed(mask_at(matcher, ordinal), eos), "eos allowed before the object is complete"
+        assert matcher.commit(ordinal, [token]) == CommitResult(1, False, None, ordinal + 1)
+    final = mask_at(matcher, len(tokens))
+    assert allowed(final, eos)
+    assert matcher.commit(len(tokens), [eos]) == CommitResult(1, True, None, len(tokens) + 1)
+    assert matcher.state is MatcherState.TERMINATED
+
+
+def test_refused_token_is_reported_and_finishes_the_matcher(schema: CompiledConstraint, tokenizer: Tokenizer) -> None:
+    """C13: the first refused token is named, the ones before it count, nothing after it is fed."""
+    matcher = VersionedMatcher(schema)
+    opening = ids(tokenizer, '{"')
+    bad = ids(tokenizer, "x")[0]  # `{"x` cannot start a key of this schema
+    result = matcher.commit(0, [*opening, bad, *opening])
+    assert result == CommitResult(len(opening), False, bad, len(opening))
+    assert matcher.state is MatcherState.REJECTED
+    assert refused(matcher.commit, len(opening), opening).code is Refusal.REJECTED
+    assert refused(mask_at, matcher, len(opening)).code is Refusal.REJECTED
+
+
+def test_out_of_vocabulary_token_is_a_rejection_not_a_crash(schema: CompiledConstraint) -> None:
+    matcher = VersionedMatcher(schema)
+    assert matcher.commit(0, [schema.vocab_size + 5]).rejected_token == schema.vocab_size + 5
+    assert VersionedMatcher(schema).commit(0, [-1]).rejected_token == -1
+
+
+def test_termination_stops_feeding(schema: CompiledConstraint, tokenizer: Tokenizer, eos: int) -> None:
+    """C6: tokens after the stop token are reported as not accepted and never fed; no mask exists after it."""
+    matcher = VersionedMatcher(schema)
+    tokens = ids(tokenizer, VALID_JSON)
+    trailing = ids(tokenizer, " trailing")
+    result = matcher.commit(0, [*tokens, eos, *trailing])
+    assert result == CommitResult(len(tokens) + 1, True, None, len(tokens) + 1)
+    # A commit at the terminated ordinal is answered without feeding anything.
+    assert matcher.commit(result.new_ordinal, trailing) == CommitResult(0, True, None, result.new_ordinal)
+    assert refused(mask_at, matcher, result.new_ordinal).code is Refusal.TERMINATED
+
+
+def test_commit_from_wrong_ordinal_is_refused(schema: CompiledConstraint, tokenizer: Tokenizer) -> None:
+    """C2: a replay (stale or duplicate commit) and a gap are refused and change nothing."""
+    matcher = VersionedMatcher(schema)
+    tokens = ids(tokenizer, VALID_JSON)
+    assert matcher.commit(0, tokens[:2]).new_ordinal == 2
+    before = mask_at(matcher, 2)
+    duplicate = refused(matcher.commit, 0, tokens[:2])
+    assert duplicate.code is Refusal.STALE_ORDINAL and "replay" in str(duplicate)
+    assert refused(matcher.commit, 1, tokens[1:3]).code is Refusal.STALE_ORDINAL
+    gap = refused(matcher.commit, 3, tokens[3:4])
+    assert gap.code is Refusal.FUTURE_ORDINAL and "gap" in str(gap)
+    assert matcher.ordinal == 2
+    assert torch.equal(mask_at(matcher, 2), before)
+    assert matcher.commit(2, tokens[2:3]).new_ordinal == 3
+
+
+def test_mask_at_wrong_ordinal_is_refused(schema: CompiledConstraint, tokenizer: Tokenizer) -> None:
+    """C3 at the matcher: only the current ordinal is answered; past is AHEAD, future is BEHIND."""
+    matcher = VersionedMatcher(schema)
+    matcher.commit(0, ids(tokenizer, VALID_JSON)[:2])
+    assert refused(mask_at, matcher, 1).code is Refusal.AHEAD
+    assert refused(mask_at, matcher, 3).code is Refusal.BEHIND
+    out = torch.empty(matcher.words_per_row + 1, dtype=torch.int32)
+    assert refused(matcher.fill_mask, 2, out).code is Refusal.INVALID_ARGUMENT  # wrong buffer shape
+    matcher.release()
+    assert refused(mask_at, matcher, 2).code is Refusal.RELEASED
+    assert refused(matcher.commit, 2, [1]).code is Refusal.RELEASED
+
+
+def test_draft_tree_masks_match_a_real_walk_and_leave_state_unchanged(
+    schema: CompiledConstraint, tokenizer: Tokenizer, eos: int
+) -> None:
+    """C5: every row equals the mask after committing that node's path; the committed state is untouched."""
+    tokens = ids(tokenizer, VALID_JSON)
+    matcher = VersionedMatcher(schema)
+    matcher.commit(0, tokens[:3])
+    before = mask_at(matcher, 3)
+    bad = ids(tokenizer, "x")[0]
+    # node 0..2: the valid continuation; node 3: a refused sibling of node 0; node 4: under the refused node.
+    tree = DraftTree(tokens=(tokens[3], tokens[4], tokens[5], bad, tokens[4]), parents=(-1, 0, 1, -1, 3))
+    out = torch.empty((tree.num_rows, matcher.words_per_row), dtype=torch.int32)  # [6, W]
+    full = matcher.fill_draft_masks(3, tree, out)
+    assert full == (False,) * tree.num_rows
+    assert torch.equal(out[0], before)
+    for depth in range(3):  # rows 1..3: the masks after committing tokens[3 .. 3+depth]
+        walk = VersionedMatcher(schema)
+        walk.commit(0, tokens[: 4 + depth])
+        assert torch.equal(out[depth + 1], mask_at(walk, 4 + depth)), f"row {depth + 1}"
+    assert not out[4].any() and not out[5].any(), "a refused node and its subtree allow nothing"
+    assert matcher.ordinal == 3 and torch.equal(mask_at(matcher, 3), before)
+    assert matcher.commit(3, tokens[3:]).new_ordinal == len(tokens)
+    # A draft through the stop token: the committed state stays live even though the draft terminates.
+    ending = DraftTree.chain([eos, tokens[0]])
+    rows = torch.empty((ending.num_rows, matcher.words_per_row), dtype=torch.int32)
+    matcher.fill_draft_masks(len(tokens), ending, rows)
+    assert allowed(rows[0], eos) and not rows[1].any() and not rows[2].any()
+    assert matcher.state is MatcherState.ACTIVE
+    assert matcher.commit(len(tokens), [eos]).terminated
+
+
+def test_draft_tree_shapes_are_validated(schema: CompiledConstraint) -> None:
+    with pytest.raises(GrammarProtocolError, match="own ancestor"):
+        DraftTree(tokens=(1, 2), parents=(1, 0))
+    with pytest.raises(GrammarProtocolError, match="parents must be"):
+        DraftTree(tokens=(1,), parents=(3,))
+    links = DraftTree.from_links(tokens=[99, 5, 6, 7], next_token=[1, 3, -1, -1], next_sibling=[-1, 2, -1, -1])
+    assert links == DraftTree(tokens=(5, 6, 7), parents=(-1, -1, 0))
+    with pytest.raises(GrammarProtocolError, match="reached twice"):
+        DraftTree.from_links(tokens=[0, 5, 6], next_token=[1, 1, -1], next_sibling=[-1, 2, 1])
+    with pytest.raises(GrammarProtocolError, match="not reachable"):
+        DraftTree.from_links(tokens=[0, 5, 6], next_token=[1, -1, -1], next_sibling=[-1, -1, -1])
+    matcher = VersionedMatcher(schema)
+    too_big = DraftTree.chain([schema.vocab_size])
+    out = torch.empty((2, matcher.words_per_row), dtype=torch.int32)
+    assert refused(matcher.fill_draft_masks, 0, too_big, out).code is Refusal.INVALID_ARGUMENT
+
+
+# ---------------------------------------------------------------- registry and fence
+
+
+class ObservedRegistry(GrammarRegistry):
+    """The real registry; ``fence_waiting`` is set once a fenced entry has been found behind and is waiting."""
+
+    def __init__(self, compiler: ConstraintCompiler) -> None:
+        super().__init__(compiler)
+        self.fence_waiting = threading.Event()
+
+    def wait_for_change(self, seen_generation: int, timeout_s: float) -> bool:
+        self.fence_waiting.set()
+        return super().wait_for_change(seen_generation, timeout_s)
+
+
+def test_registry_refuses_duplicate_open_and_forgets_released(registry: GrammarRegistry, tokenizer: Tokenizer) -> None:
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
+    registry.open("a", constraint, WAIT_S)
+    assert refusal_of(_raised(registry.open, "a", constraint, WAIT_S)) is Refusal.ALREADY_OPEN
+    assert refusal_of(_raised(registry.open, "", constraint, WAIT_S)) is Refusal.INVALID_ARGUMENT
+    assert registry.num_open == 1
+    assert registry.release(["a", "a", "nobody"]) == [None, Refusal.RELEASED, Refusal.UNKNOWN]
+    assert registry.num_open == 0
+    [late] = registry.commit([CommitEntry("a", 0, tuple(ids(tokenizer, "{")))])
+    assert late.refusal is Refusal.RELEASED
+    [mask] = registry.poll_masks([MaskEntry("a", 0)])
+    assert mask.refusal is Refusal.RELEASED
+
+
+def test_fence_waits_and_is_released_by_a_commit_from_another_thread(
+    compiler: ConstraintCompiler, tokenizer: Tokenizer
+) -> None:
+    """C3: a mask for ordinal 2 while the grammar is at 0 waits, and the commit reaching 2 answers it."""
+    registry = ObservedRegistry(compiler)
+    matcher = registry.open("r", Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA), WAIT_S)
+    tokens = ids(tokenizer, VALID_JSON)
+    started = time.monotonic()
+    waiter, answers = fill_in_thread(registry, [MaskEntry("r", 2)])
+    assert registry.fence_waiting.wait(WAIT_S), "the fence never waited"
+    assert registry.num_waiting == 1
+    [commit] = registry.commit([CommitEntry("r", 0, tuple(tokens[:2]))])
+    assert commit.result is not None and commit.result.new_ordinal == 2
+    waiter.join(WAIT_S)
+    assert time.monotonic() - started < WAIT_S / 2, "the commit did not wake the fence"
+    [outcome] = answers
+    assert outcome.rows is not None, outcome
+    assert torch.equal(outcome.rows.words[0], mask_at(matcher, 2))
+    assert registry.num_waiting == 0
+
+
+def test_fence_deadline_expires_cleanly_and_other_entries_are_answered(
+    registry: GrammarRegistry, tokenizer: Tokenizer
+) -> None:
+    """C3: behind past the deadline → BEHIND_DEADLINE for that entry only; the matcher is unchanged."""
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
+    registry.open("late", constraint, WAIT_S)
+    registry.open("ready", constraint, WAIT_S)
+    started = time.monotonic()
+    late, ready = registry.fill_masks([MaskEntry("late", 3), MaskEntry("ready", 0)], 0.2)
+    assert 0.2 <= time.monotonic() - started < WAIT_S
+    assert late.refusal is Refusal.BEHIND_DEADLINE and "ordinal 3" in late.message and "200 ms" in late.message
+    assert ready.rows is not None and ready.rows.words.shape == (1, registry.compiler.words_per_row)
+    assert registry.num_waiting == 0
+    [commit] = registry.commit([CommitEntry("late", 0, tuple(ids(tokenizer, "{")))])
+    assert commit.result is not None
+
+
+def test_fence_ends_at_once_when_the_ordinal_can_never_come(
+    compiler: ConstraintCompiler, tokenizer: Tokenizer, eos: int
+) -> None:
+    """A release or a termination while a mask waits answers it immediately, not at the deadline."""
+    registry = ObservedRegistry(compiler)
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
+    tokens = ids(tokenizer, VALID_JSON)
+    for finish, expected in (("release", Refusal.RELEASED), ("terminate", Refusal.TERMINATED)):
+        registry.fence_waiting = threading.Event()
+        registry.open(finish, constraint, WAIT_S)
+        started = time.monotonic()
+        waiter, answers = fill_in_thread(registry, [MaskEntry(finish, 99)])
+        assert registry.fence_waiting.wait(WAIT_S)
+        if finish == "release":
+            registry.release([finish])
+        else:
+            registry.commit([CommitEntry(finish, 0, (*tokens, eos))])
+        waiter.join(WAIT_S)
+        assert time.monotonic() - started < WAIT_S / 2
+        [outcome] = answers
+        assert outcome.refusal is expected, outcome
+
+
+# ---------------------------------------------------------------- compiler
+
+
+def test_compile_cache_hit(compiler: ConstraintCompiler) -> None:
+    constraint = Constraint(ConstraintKind.REGEX, r"[a-c]{2,4}")
+    before = compiler.stats()
+    first = compiler.compile(constraint, WAIT_S)
+    second = compiler.compile(Constraint(ConstraintKind.REGEX, r"[a-c]{2,4}"), WAIT_S)
+    assert second is first
+    after = compiler.stats()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    compiler.compile(Constraint(ConstraintKind.REGEX, r"[a-c]{2,5}"), WAIT_S)
+    assert compiler.stats().misses == after.misses + 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "reason"),
+    [
+        (ConstraintKind.JSON_SCHEMA, '{"type": "foo"}', 'Unsupported type "foo"'),
+        (ConstraintKind.JSON_SCHEMA, "{not json", "Failed to parse JSON"),
+        (ConstraintKind.REGEX, "((a)", "parenthesis is not closed"),
+        (ConstraintKind.EBNF, "root ::= undefined_rule", 'Rule "undefined_rule" is not defined'),
+        (ConstraintKind.STRUCTURAL_TAG, '{"no": "format"}', "must have a format field"),
+    ],
+)
+def test_invalid_grammar_raises_with_xgrammars_reason(
+    compiler: ConstraintCompiler, kind: ConstraintKind, text: str, reason: str
+) -> None:
+    for _ in range(2):  # the second time from the cache, with the same reason
+        with pytest.raises(InvalidGrammarError) as info:
+            compiler.compile(Constraint(kind, text), WAIT_S)
+        assert reason in info.value.reason
+        assert not info.value.reason.startswith("["), "xgrammar's log header leaked into the reason"
+        assert info.value.field == f"constraint.{kind.value}"
+
+
+def test_compile_deadline(compiler: ConstraintCompiler) -> None:
+    """A compile past its deadline raises GrammarTimeoutError; it goes on and the next ask gets the result."""
+    big = ",".join(f'"k{i}":{{"type":"array","items":{{"type":"number"}}}}' for i in range(60))
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, f'{{"type":"object","properties":{{{big}}}}}')
+    with pytest.raises(GrammarTimeoutError):
+        compiler.compile(constraint, 0.0)
+    assert compiler.compile(constraint, WAIT_S).constraint == constraint
+
+
+def test_constraint_from_public_field() -> None:
+    assert Constraint.from_public_field("ebnf_grammar", 'root ::= "a"').kind is ConstraintKind.EBNF
+    with pytest.raises(ValueError, match="unknown constraint"):
+        Constraint.from_public_field("grammar", "x")
+    with pytest.raises(ValueError, match="empty"):
+        Constraint(ConstraintKind.REGEX, "")
+
+
+def _raised(fn: object, *args: object) -> BaseException:
+    try:
+        fn(*args)  # type: ignore[operator]
+    except BaseException as error:
+        return error
+    raise AssertionError("no exception raised")
