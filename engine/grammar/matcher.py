@@ -239,7 +239,8 @@ class VersionedMatcher:
             self._check_mask(at_ordinal)
             out.zero_()  # rows of nodes the traversal never reaches stay "nothing allowed"
             self._matcher.traverse_draft_tree(next_token, next_sibling, tokens, out)
-        return tuple(bool(full) for full in (out == -1).all(dim=1).tolist())
+        full_rows = (out == -1).all(dim=1)  # [R]
+        return tuple(bool(full) for full in full_rows.tolist())
 
     def release(self) -> None:
         """Finish the matcher for good: every later call is refused with RELEASED."""

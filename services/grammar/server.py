@@ -133,13 +133,14 @@ class GrammarServicer(pb_grpc.GrammarServicer):
                 continue
             claimed.add(entry.request_id)
             compiles[i] = asyncio.wrap_future(self.registry.compiler.submit(constraint))
+            # If this call gives up (deadline, cancellation), the compile still ends somewhere: read its outcome
+            # then, so that asyncio does not log it as never retrieved.
+            compiles[i].add_done_callback(_consume)
         if compiles:
             await asyncio.wait(compiles.values(), timeout=timeout_s)
         attach: dict[int, CompiledConstraint] = {}
         for i, future in compiles.items():
-            if not future.done():
-                # Not cancelled: the compile goes on and lands in the cache; only this answer gives up.
-                future.add_done_callback(_consume)
+            if not future.done():  # not cancelled: the compile goes on and lands in the cache
                 results[i] = pb.OpenResult(
                     code=pb.DEADLINE_EXCEEDED, message=f"compile did not finish within {timeout_s:.3f}s"
                 )
@@ -241,7 +242,7 @@ def _open_error(error: BaseException) -> pb.OpenResult:
 
 
 def _consume(future: asyncio.Future[Any]) -> None:
-    """Retrieve an abandoned compile's outcome so that asyncio does not log it as never retrieved."""
+    """Retrieve a compile's outcome so that asyncio does not log an abandoned one as never retrieved."""
     if not future.cancelled():
         future.exception()
 

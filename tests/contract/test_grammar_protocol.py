@@ -89,7 +89,7 @@ def new_id() -> str:
     return f"req-{uuid.uuid4().hex[:12]}"
 
 
-def open_one(stub: pb_grpc.GrammarStub, text: str = SCHEMA, kind: int = pb.JSON_SCHEMA) -> str:
+def open_one(stub: pb_grpc.GrammarStub, text: str = SCHEMA, kind: pb.ConstraintKind = pb.JSON_SCHEMA) -> str:
     rid = new_id()
     entry = pb.OpenEntry(request_id=rid, constraint=pb.Constraint(kind=kind, text=text))
     [result] = stub.Open(pb.OpenRequest(entries=[entry]), timeout=WAIT_S).results
@@ -128,8 +128,8 @@ def wait_until_fenced(stub: pb_grpc.GrammarStub, count: int) -> None:
 
 
 def test_commit_from_a_stale_ordinal_is_refused(stub: pb_grpc.GrammarStub, tokens: list[int]) -> None:
-    """C2. Enforced by `if from_ordinal < here:` in VersionedMatcher._check_commit; without it the tokens are
-    fed again from ordinal 3 (the grammar refuses `{"` after `{"a":`) and the code is OK, not STALE_ORDINAL."""
+    """C2. Enforced by `if from_ordinal < here:` in VersionedMatcher._check_commit; without it the replayed
+    tokens are fed at ordinal 3 (the grammar refuses `a` after `{"a":`): code OK with a rejected_token."""
     rid = open_one(stub)
     assert commit(stub, rid, 0, tokens[:3]).new_ordinal == 3
     stale = commit(stub, rid, 1, tokens[1:3])
@@ -240,14 +240,16 @@ def test_a_mask_for_an_ordinal_that_never_comes_fails_at_its_deadline(
 
 def test_a_release_ends_a_fenced_wait_at_once(stub: pb_grpc.GrammarStub) -> None:
     """Enforced by `self._bump()` in GrammarRegistry.release; without it the fenced request sleeps until its
-    20 s deadline and answers BEHIND_DEADLINE instead of RELEASED."""
+    20 s deadline (its last poll then finds the release) and the elapsed-time assertion fails."""
     rid = open_one(stub)
+    started = time.monotonic()
     request = pb.FillMasksRequest(entries=[pb.MaskEntry(request_id=rid, ordinal=3)], deadline_ms=20_000)
     pending = stub.FillMasks.future(request, timeout=30)
     wait_until_fenced(stub, 1)
     assert release(stub, rid) == [pb.OK]
     [result] = pending.result(timeout=30).results
     assert result.code == pb.RELEASED
+    assert time.monotonic() - started < 10, "the release did not end the fenced wait"
 
 
 # ---------------------------------------------------------------- C6 and C13 over the wire
@@ -257,7 +259,8 @@ def test_tokens_after_termination_are_not_accepted(
     stub: pb_grpc.GrammarStub, tokens: list[int], tokenizer: Tokenizer
 ) -> None:
     """C6. Enforced by the `break` after `self._state = MatcherState.TERMINATED` in VersionedMatcher._feed;
-    without it the token after eos is fed, xgrammar refuses it and `accepted` counts one token too many."""
+    without it the token after eos is fed: xgrammar refuses it, the result names a rejected_token and is no
+    longer `terminated`."""
     rid = open_one(stub)
     eos = min(tokenizer.eos_token_ids)
     done = commit(stub, rid, 0, [*tokens, eos, *tokens[:2]])
@@ -311,7 +314,9 @@ def test_a_bad_grammar_is_invalid_argument_with_xgrammars_reason(stub: pb_grpc.G
 
 
 def test_draft_tree_masks_over_the_wire(stub: pb_grpc.GrammarStub, tokens: list[int]) -> None:
-    """C5 through the service: the tree's rows, then the committed state answers as before."""
+    """C5 through the service: the tree's rows, then the committed state answers as before. A malformed tree
+    fails its entry only. Enforced by `_check_acyclic(self.parents)` in DraftTree.__post_init__; without it the
+    cyclic tree (never reachable from the root) is answered OK with all-zero rows instead of INVALID_ARGUMENT."""
     rid = open_one(stub)
     commit(stub, rid, 0, tokens[:1])
     before = mask_row(masks(stub, [pb.MaskEntry(request_id=rid, ordinal=1)]))
@@ -331,7 +336,9 @@ def test_draft_tree_masks_over_the_wire(stub: pb_grpc.GrammarStub, tokens: list[
 
 
 def test_client_returns_engine_values(target: str, tokens: list[int]) -> None:
-    """The sync and async clients: typed per-entry results, masks as int32 [R, W] tensors."""
+    """The sync and async clients: typed per-entry results, masks as int32 [R, W] tensors. Enforced (for the
+    typed Open error) by the INVALID_ARGUMENT branch of grammar_client._open_outcome; without it the bad grammar
+    comes back as a GrammarProtocolError, not an InvalidGrammarError."""
     schema = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
     rid, other = new_id(), new_id()
     with GrammarClient(target) as client:
@@ -357,7 +364,9 @@ def test_client_returns_engine_values(target: str, tokens: list[int]) -> None:
 
 
 def test_mask_rows_are_deduplicated_and_full_rows_travel_as_flags() -> None:
-    """The packing: equal rows are sent once, rows allowing everything as the reference -1 without data."""
+    """The packing: equal rows are sent once, rows allowing everything as the reference -1 without data.
+    Enforced by `if full: return FULL_ROW_REF` in convert._row_ref; without it the full row travels as data
+    (two rows, references [0, 1])."""
     width = 4
     row = torch.tensor([1, 2, 3, -(2**31)], dtype=torch.int32)  # [W]
     full = torch.full((width,), -1, dtype=torch.int32)  # [W]
@@ -381,10 +390,12 @@ def test_mask_rows_are_deduplicated_and_full_rows_travel_as_flags() -> None:
 
 
 def test_the_service_process_serves_and_stops_on_sigterm(embedded_model_dir: Path) -> None:
-    """`python -m services.grammar` prints its ready line with the bound port, serves, and exits 0 on SIGTERM."""
+    """`python -m services.grammar` prints its ready line with the bound port, serves, and exits 0 on SIGTERM.
+    Enforced by `loop.add_signal_handler(sig, stop.set)` in services.grammar.__main__.serve; without it SIGTERM
+    kills the process (return code -15)."""
+    command = [sys.executable, "-m", "services.grammar", "--port", "0", "--model", str(embedded_model_dir)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.grammar", "--host", "127.0.0.1", "--port", "0"]
-        + ["--model", str(embedded_model_dir)],
+        command,
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

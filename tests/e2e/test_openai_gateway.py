@@ -1,0 +1,212 @@
+"""The OpenAI API end to end: the real ``openai`` client → smg → scheduler → executor, on the embedded model.
+
+One ``ordinal serve`` stack for the module. What the client gets is checked against the scheduler itself: a
+direct gRPC ``Generate`` of the same token ids (tokenized here with the engine's own tokenizer: no template for
+completions, the chat template for chat) must give the same greedy text and the same token counts. A client that
+drops a stream must leave the scheduler with nothing running and no KV held, long before the request would
+have ended on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from engine.model.tokenizer import Tokenizer
+from tests.e2e.stack import (
+    ServeStack,
+    free_port_block,
+    greedy_request,
+    prometheus_samples,
+    start_serve,
+    wait_for_idle_load,
+)
+
+MODEL = "tiny-gw"
+TIMEOUT = 60.0
+MAX_TOKENS = 8
+# max_tokens of the stream the client drops. At most a quarter of it may be generated before the drop stops it,
+# which tells "stopped" from "ran to the end anyway" whatever the machine's speed.
+LONG = 3000
+DROP_BOUND_S = 15.0
+PROMPT = "The quick brown fox jumps over"
+USER_TEXT = "Hello there, who are you?"
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": USER_TEXT}]
+# Every output exactly as long as asked: ignore_eos is an SGLang extension smg passes through to the worker.
+IGNORE_EOS = {"ignore_eos": True}
+GENERATED = "ordinal_generation_tokens_total"
+CLIENT_ABORTS = 'ordinal_requests_aborted_total{cause="client"}'
+
+
+class Gateway:
+    """The stack as the tests see it: the OpenAI client, the scheduler's stub and its metrics URL."""
+
+    def __init__(self, stack: ServeStack, channel: grpc.Channel, metrics_url: str) -> None:
+        self.client = OpenAI(base_url=stack.gateway, api_key="x", timeout=TIMEOUT, max_retries=0)
+        self.scheduler = pb_grpc.SglangSchedulerStub(channel)
+        self.metrics_url = metrics_url
+
+    def direct(self, ids: list[int], max_new_tokens: int = MAX_TOKENS) -> pb.GenerateComplete:
+        """A greedy Generate of ``ids`` straight to the scheduler (ignore_eos, as the gateway requests ask)."""
+        (reply,) = list(self.scheduler.Generate(greedy_request(ids, max_new_tokens), timeout=TIMEOUT))
+        assert reply.HasField("complete"), reply
+        return reply.complete
+
+
+@pytest.fixture(scope="module")
+def gateway(embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    metrics = free_port_block(3)  # scheduler, executor and gateway metrics: base, +1, +2
+    flags = ["--port", "0", "--executor-port", "0", "--gateway-port", "0", "--metrics-port", str(metrics)]
+    flags += ["--served-model-name", MODEL, "--num-pages", "512"]
+    stack = start_serve(tmp_path_factory.mktemp("gateway") / "serve.stderr", embedded_model_dir, *flags)
+    try:
+        with grpc.insecure_channel(stack.scheduler) as channel:
+            yield Gateway(stack, channel, f"http://127.0.0.1:{metrics}/metrics")
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.stderr()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(embedded_model_dir)
+
+
+def _text(tokenizer: Tokenizer, complete: pb.GenerateComplete) -> str:
+    # Chat forces skip_special_tokens and completions default to it: the client never sees special tokens.
+    return tokenizer.decode(list(complete.output_ids), skip_special_tokens=True)
+
+
+def _chat_ids(tokenizer: Tokenizer) -> list[int]:
+    # MESSAGES as the engine's template renderer takes them; smg renders the same template on its side.
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": USER_TEXT}]))
+
+
+def test_models_lists_the_served_model_name(gateway: Gateway) -> None:
+    assert [m.id for m in gateway.client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_direct_generate(gateway: Gateway, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(PROMPT)  # smg adds no template and no BOS to a completion prompt
+    expected = gateway.direct(ids)
+    reply = gateway.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, extra_body=IGNORE_EOS
+    )
+    (choice,) = reply.choices
+    assert (choice.index, choice.finish_reason) == (0, "length")
+    assert choice.text == _text(tokenizer, expected)
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(ids) == expected.prompt_tokens
+    assert reply.usage.completion_tokens == len(expected.output_ids) == MAX_TOKENS
+
+
+def test_streamed_completion_equals_direct_generate(gateway: Gateway, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(PROMPT + " the lazy dog")
+    expected = gateway.direct(ids)
+    stream = gateway.client.completions.create(
+        model=MODEL,
+        prompt=PROMPT + " the lazy dog",
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body=IGNORE_EOS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    *deltas, last = list(stream)
+    assert not last.choices and last.usage is not None, last  # include_usage: a final usage-only chunk
+    assert "".join(c.choices[0].text for c in deltas) == _text(tokenizer, expected)
+    assert deltas[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in deltas)
+    assert last.usage.prompt_tokens == len(ids) == expected.prompt_tokens
+    assert last.usage.completion_tokens == len(expected.output_ids) == MAX_TOKENS
+
+
+def test_chat_equals_direct_generate_of_the_templated_prompt(gateway: Gateway, tokenizer: Tokenizer) -> None:
+    ids = _chat_ids(tokenizer)
+    expected = gateway.direct(ids)
+    reply = gateway.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0, extra_body=IGNORE_EOS
+    )
+    (choice,) = reply.choices
+    assert (choice.index, choice.finish_reason, choice.message.role) == (0, "length", "assistant")
+    assert choice.message.content == _text(tokenizer, expected)
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(ids) == expected.prompt_tokens
+    assert reply.usage.completion_tokens == len(expected.output_ids) == MAX_TOKENS
+
+
+def test_streamed_chat_equals_direct_generate(gateway: Gateway, tokenizer: Tokenizer) -> None:
+    ids = _chat_ids(tokenizer)
+    expected = gateway.direct(ids)
+    stream = gateway.client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body=IGNORE_EOS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    *deltas, last = list(stream)
+    assert not last.choices and last.usage is not None, last
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == _text(tokenizer, expected)
+    assert deltas[-1].choices[0].finish_reason == "length"
+    assert last.usage.prompt_tokens == len(ids) == expected.prompt_tokens
+    assert last.usage.completion_tokens == len(expected.output_ids) == MAX_TOKENS
+
+
+def test_n2_returns_two_choices(gateway: Gateway, tokenizer: Tokenizer) -> None:
+    reply = gateway.client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=1.0,
+        n=2,
+        extra_body=IGNORE_EOS,
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in reply.choices)
+    assert reply.usage is not None
+    # The prompt is counted once; the completion tokens of both samples add up.
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(_chat_ids(tokenizer)), 2 * 4)
+
+
+def test_dropped_stream_stops_the_request_and_frees_its_kv(gateway: Gateway) -> None:
+    """smg answers a dropped stream with an Abort RPC: the scheduler must end the request at once.
+
+    Back at baseline means GetLoads shows nothing running or waiting and ``num_used_tokens`` 0: that field
+    counts the KV pages requests hold; the prompt's pages stay in the prefix cache, evictable, which GetLoads
+    counts as free (as SGLang does), so they do not keep it above zero."""
+    wait_for_idle_load(gateway.scheduler, TIMEOUT)
+    before = prometheus_samples(gateway.metrics_url)
+    stream = gateway.client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count to a million."}],
+        max_tokens=LONG,
+        temperature=0.0,
+        stream=True,
+        extra_body=IGNORE_EOS,
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 3:
+            break
+    load = gateway.scheduler.GetLoads(pb.GetLoadsRequest(), timeout=TIMEOUT).loads[0]
+    assert load.num_running_reqs == 1 and load.num_used_tokens > 0, load  # it is running and holds KV
+    stream.close()
+
+    load = wait_for_idle_load(gateway.scheduler, DROP_BOUND_S)
+    assert load.token_usage == 0.0 and load.num_total_reqs == 0, load
+    after = prometheus_samples(gateway.metrics_url)
+    generated = after[GENERATED] - before[GENERATED]
+    assert generated < LONG // 4, f"{generated:.0f} of {LONG} tokens generated: the drop did not stop it"
+    assert after.get(CLIENT_ABORTS, 0.0) - before.get(CLIENT_ABORTS, 0.0) == 1.0, "no client abort reached it"
