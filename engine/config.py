@@ -16,7 +16,10 @@ class EngineConfig:
     ``model_path`` None serves the embedded default model. ``chunk_size`` is the most prompt tokens one step
     prefills (longer prompts are split into chunks of at most this many tokens); decodes ride along in the
     same step. ``max_running`` is the number of request slots (requests admitted at once).
-    ``overlap`` plans and launches step N+1 before committing step N.
+    ``overlap`` plans and launches step N+1 before committing step N. With ``grammar_overlap`` (the default)
+    constrained requests stay overlapped: the executor delays only their sampling until the mask fenced at their
+    ordinal exists (waiting up to ``grammar_wait_s``). Without it the scheduler commits step N before launching a
+    step with constrained entries (early commit) and the executor does not wait for masks at all.
     """
 
     model_path: str | None = None
@@ -30,6 +33,8 @@ class EngineConfig:
     prefix_cache: bool = True
     seed: int = 0
     cache_dir: str | None = None
+    grammar_overlap: bool = True
+    grammar_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -37,6 +42,11 @@ class EngineConfig:
         for name in ("page_size", "num_pages", "max_running", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def mask_wait_s(self) -> float:
+        """How long the executor waits at the grammar fence: not at all when the scheduler commits early."""
+        return self.grammar_wait_s if self.grammar_overlap else 0.0
 
     @property
     def torch_dtype(self) -> torch.dtype:

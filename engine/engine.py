@@ -17,15 +17,17 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.errors import ExecutorUnavailableError, InvalidRequestError
+from engine.grammar.backend import GrammarBackend, LocalGrammar
+from engine.grammar.constraint import Constraint
 from engine.metrics import EngineObserver, NullObserver, RequestTimeline
 from engine.model.tokenizer import Tokenizer
 from engine.request import Request, RequestOutput
-from engine.runner import ModelRunner, StepRunner
+from engine.runner import ModelRunner, StepRunner, model_dir
 from engine.sampling_params import SamplingParams
 from engine.scheduler import CommitOutcome, Scheduler, SchedulerStats, pages_for
 from engine.step import StepPlan, StepResult
@@ -49,14 +51,43 @@ class _Abort:
     cause: AbortCause
 
 
+@dataclass(frozen=True)
+class _Compiling:
+    """A constrained request whose grammar is being compiled (off the loop); it is not in the scheduler yet."""
+
+    request_id: str
+    sink: OutputSink
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """Its grammar compiled (``error`` None) or failed to."""
+
+    request: Request
+    error: Exception | None
+
+
+_Message = _Add | _Abort | _Compiling | _Opened
+
+
 class Engine:
     """Loads a model (the embedded default when ``config.model_path`` is None) and serves requests."""
 
     def __init__(
-        self, config: EngineConfig, runner: StepRunner | None = None, observer: EngineObserver | None = None
+        self,
+        config: EngineConfig,
+        runner: StepRunner | None = None,
+        observer: EngineObserver | None = None,
+        grammar: GrammarBackend | None = None,
     ) -> None:
+        """``runner`` None loads the model in process, with an in-process grammar service unless ``grammar`` is
+        given. With a remote runner, ``grammar`` is the grammar service the executor uses too (None: constrained
+        requests are refused)."""
         self.config = config
-        self.runner: StepRunner = runner if runner is not None else ModelRunner.load(config)
+        if runner is None and grammar is None:
+            grammar = LocalGrammar(str(model_dir(config)))
+        self.grammar = grammar
+        self.runner: StepRunner = runner if runner is not None else ModelRunner.load(config, grammar)
         self.info = self.runner.info
         if (self.info.page_size, self.info.num_pages) != (config.page_size, config.num_pages):
             raise ValueError(
@@ -64,9 +95,11 @@ class Engine:
                 f"scheduler's ({config.num_pages} pages of {config.page_size}): start both with the same flags"
             )
         self.tokenizer = Tokenizer.from_dir(self.info.model_path)
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, grammar)
         self._lock = threading.Lock()  # guards the scheduler between the loop thread and stats readers
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._opening: dict[str, bool] = {}  # loop thread only: constrained ids compiling -> aborted meanwhile
+        self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ordinal-grammar-open")
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._stopping = False
@@ -87,27 +120,51 @@ class Engine:
         params: SamplingParams,
         sink: OutputSink,
         request_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> str:
         """Validate and queue a request; ``sink`` is called on the loop thread with each output.
 
-        Raises :class:`InvalidRequestError` (naming the field) before anything is allocated.
+        Raises :class:`InvalidRequestError` (naming the field) before anything is allocated. A ``constraint`` is
+        compiled off the loop before the request is queued; if it does not compile, the only output is a finish
+        with cause INVALID_GRAMMAR carrying xgrammar's reason (no forward ever runs for it).
         """
         if self._stopping:
             raise RuntimeError("the engine is shut down")
+        if constraint is not None and self.grammar is None:
+            raise InvalidRequestError("constraint", "this engine was started without a grammar service")
         rid = request_id or uuid.uuid4().hex
         request = self._validated_request(rid, prompt_ids, params)
+        request.constraint = constraint
         with self._lock:
             if rid in self._live:
                 raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
             self._live.add(rid)
             self._idle.clear()
         self._timeline.added(rid, len(request.prompt_ids))
-        self._inbox.put(_Add(request, sink))
+        if constraint is None:
+            self._inbox.put(_Add(request, sink))
+        else:
+            self._inbox.put(_Compiling(rid, sink))  # before the compile starts: it can finish at once
+            self._compiler.submit(self._open_grammar, request)
         self._wake.set()
         return rid
 
+    def _open_grammar(self, request: Request) -> None:
+        assert self.grammar is not None and request.constraint is not None
+        error: Exception | None = None
+        try:
+            self.grammar.open(request.request_id, request.constraint)
+        except Exception as exc:
+            error = exc
+        self._inbox.put(_Opened(request, error))
+        self._wake.set()
+
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Async stream of outputs. Leaving the iteration early (or cancelling the task) aborts the request."""
         loop = asyncio.get_running_loop()
@@ -116,7 +173,7 @@ class Engine:
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        rid = self.submit(prompt_ids, params, sink, request_id)
+        rid = self.submit(prompt_ids, params, sink, request_id, constraint)
         finished = False
         try:
             while not finished:
@@ -128,14 +185,18 @@ class Engine:
                 self.abort(rid, "client cancelled the stream")
 
     def generate_batch(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], timeout: float = 600.0
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        timeout: float = 600.0,
+        constraints: Sequence[Constraint | None] | None = None,
     ) -> list[RequestOutput]:
         """Blocking helper: run every prompt to completion, return each final output in order."""
         done: list[Future[RequestOutput]] = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             fut: Future[RequestOutput] = Future()
             done.append(fut)
-            self.submit(prompt, p, _finish_setter(fut))
+            self.submit(prompt, p, _finish_setter(fut), constraint=constraints[i] if constraints else None)
         return [f.result(timeout=timeout) for f in done]
 
     def abort(self, request_id: str, message: str = "aborted by client", cause: AbortCause = AbortCause.CLIENT) -> bool:
@@ -159,7 +220,10 @@ class Engine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=60)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         self.runner.shutdown()
+        if isinstance(self.grammar, LocalGrammar):
+            self.grammar.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -226,6 +290,11 @@ class Engine:
             with self._lock:
                 plan = self.scheduler.plan()
             if plan is not None:
+                if not self.config.grammar_overlap and any(e.constrained for e in plan.entries):
+                    # C4, early commit: the executor will not wait for these masks, so the tokens they build on
+                    # must be committed to the grammar before launch (at launch no result is pending).
+                    while inflight:
+                        self._commit(*inflight.popleft())
                 self._timeline.step_launched(plan)
                 inflight.append((plan, self.runner.launch(plan)))
             # Overlap keeps the step just launched in flight while the one before it is committed.
@@ -272,6 +341,16 @@ class Engine:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(msg, _Compiling):
+                self._sinks[msg.request_id] = msg.sink
+                self._opening[msg.request_id] = False
+                continue
+            if isinstance(msg, _Opened):
+                self._opened(msg)
+                continue
+            if isinstance(msg, _Abort) and msg.request_id in self._opening:
+                self._abort_opening(msg)
+                continue
             with self._lock:
                 if isinstance(msg, _Add):
                     self._sinks[msg.request.request_id] = msg.sink
@@ -279,6 +358,45 @@ class Engine:
                 else:
                     outcome = self.scheduler.abort(msg.request_id, msg.message, msg.cause)
             self._deliver(outcome)
+
+    def _abort_opening(self, msg: _Abort) -> None:
+        """Abort while the grammar compiles: the stream ends now; the matcher is released once it exists."""
+        if self._opening[msg.request_id]:
+            return  # twice
+        self._opening[msg.request_id] = True
+        sink = self._sinks.pop(msg.request_id, None)
+        out = RequestOutput(
+            msg.request_id,
+            (),
+            "",
+            0,
+            0,
+            0,
+            finish=Finish(FinishReason.ABORT, message=msg.message, cause=msg.cause),
+            output_ids=(),
+        )
+        self._timeline.output(out)
+        if sink is not None:
+            sink(out)
+
+    def _opened(self, msg: _Opened) -> None:
+        rid = msg.request.request_id
+        aborted = self._opening.pop(rid)
+        if aborted:
+            if msg.error is None and self.grammar is not None:
+                self.grammar.release([rid])
+            with self._lock:
+                self._live.discard(rid)
+            return
+        if msg.error is not None:
+            cause = AbortCause.INVALID_GRAMMAR if isinstance(msg.error, InvalidRequestError) else AbortCause.GRAMMAR
+            finish = Finish(FinishReason.ABORT, message=str(msg.error), cause=cause)
+            out = RequestOutput(rid, (), "", 0, len(msg.request.prompt_ids), 0, finish=finish, output_ids=())
+            self._deliver(CommitOutcome(outputs=[out]))
+            return
+        with self._lock:
+            outcome = self.scheduler.add(msg.request)
+        self._deliver(outcome)
 
     def _deliver(self, outcome: CommitOutcome) -> None:
         if outcome.released_slots:

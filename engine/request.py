@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.grammar.constraint import Constraint
 from engine.kv.prefix_cache import RadixNode
 from engine.sampling_params import SamplingParams
 from engine.stop import Finish, StopChecker
@@ -77,6 +78,7 @@ class Request:
     params: SamplingParams
     stop_checker: StopChecker
     seed: int
+    constraint: Constraint | None = None
     state: RequestState = RequestState.QUEUED
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
@@ -91,6 +93,7 @@ class Request:
     inflight_steps: int = 0
     sent_new: bool = False
     prefix_counted: bool = False
+    grammar_terminated: bool = False
     finish: Finish | None = None
 
     @property

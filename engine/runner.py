@@ -19,6 +19,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ProtocolError
+from engine.grammar.backend import GrammarBackend
+from engine.grammar.masks import MaskFetcher, PendingMasks, StepMasks
 from engine.kv.pool import KVPool
 from engine.model.embedded import ensure_embedded_model
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
@@ -77,8 +79,16 @@ class SlotBuffer:
 class ModelRunner:
     """Runs one step at a time. :meth:`launch` queues a step on the worker thread and returns at once."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVPool, info: ModelInfo, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KVPool,
+        info: ModelInfo,
+        device: torch.device,
+        masks: MaskFetcher | None = None,
+    ) -> None:
         self.info = info
+        self._masks = masks
         self._model = model
         self._kv = kv
         self._vocab_size = info.vocab_size
@@ -89,10 +99,12 @@ class ModelRunner:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-runner")
 
     @classmethod
-    def load(cls, config: EngineConfig) -> ModelRunner:
-        """Load the model (the embedded default when ``config.model_path`` is None) and size the KV pool."""
+    def load(cls, config: EngineConfig, grammar: GrammarBackend | None = None) -> ModelRunner:
+        """Load the model (the embedded default when ``config.model_path`` is None) and size the KV pool.
+
+        ``grammar``: where constrained entries get their fenced masks (None: constrained entries are refused)."""
         device = torch.device(config.device)
-        path = Path(config.model_path) if config.model_path else ensure_embedded_model(_cache_dir(config))
+        path = model_dir(config)
         tokenizer = Tokenizer.from_dir(path)
         model, model_config = load_model(path, config.torch_dtype, device)
         info = ModelInfo(
@@ -114,7 +126,8 @@ class ModelRunner:
             config.torch_dtype,
             device,
         )
-        return cls(model, kv, info, device)
+        masks = MaskFetcher(grammar, info.vocab_size, config.mask_wait_s) if grammar is not None else None
+        return cls(model, kv, info, device, masks)
 
     # ------------------------------------------------------------ asynchronous interface
 
@@ -131,6 +144,8 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+        if self._masks is not None:
+            self._masks.shutdown()
 
     def healthy(self) -> bool:
         return not self._worker._shutdown
@@ -149,13 +164,24 @@ class ModelRunner:
         started = time.perf_counter()
         buffers = [self._buffer_for(entry) for entry in plan.entries]
         seqs = [self._seq_input(entry, buf) for entry, buf in zip(plan.entries, buffers, strict=True)]
+        sampling = [(e, b) for e, b in zip(plan.entries, buffers, strict=True) if e.sample]
+        self._check_ordinals(sampling)
+        # C4, delayed sampling: the fenced masks are fetched while the forward runs; only sampling waits.
+        pending = self._start_masks([e for e, _ in sampling])
         batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
         logits = self._model(batch, self._kv)  # [num sampling entries, V]
-        sampling = [(e, b) for e, b in zip(plan.entries, buffers, strict=True) if e.sample]
+        masks = pending.result(self._device) if pending is not None else StepMasks(None, {})
         samples: tuple[SampledToken, ...] = ()
         if sampling:
-            samples = self._sample(logits, sampling)
+            samples = self._sample(logits, sampling, masks)
         return StepResult(plan.step_id, samples, time.perf_counter() - started)
+
+    def _start_masks(self, sampling: list[StepEntry]) -> PendingMasks | None:
+        if self._masks is None:
+            if any(e.constrained for e in sampling):
+                raise ProtocolError("a constrained entry reached an executor started without a grammar service")
+            return None
+        return self._masks.start(sampling)
 
     def _buffer_for(self, entry: StepEntry) -> SlotBuffer:
         buf = self._slots.get(entry.slot)
@@ -188,14 +214,19 @@ class ModelRunner:
         mode = LogitsMode.LAST if entry.sample else LogitsMode.NONE
         return SeqInput(tokens, entry.start_pos, entry.page_table, mode)
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[StepEntry, SlotBuffer]]) -> tuple[SampledToken, ...]:
+    @staticmethod
+    def _check_ordinals(rows: list[tuple[StepEntry, SlotBuffer]]) -> None:
         for entry, buf in rows:
             if buf.sampling.num_output != entry.ordinal:
                 raise ProtocolError(
                     f"request {entry.request_id}: plan samples ordinal {entry.ordinal}, "
                     f"executor has sampled {buf.sampling.num_output}"
                 )
-        out = self._sampler.sample(logits, [buf.sampling for _, buf in rows])
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[tuple[StepEntry, SlotBuffer]], masks: StepMasks
+    ) -> tuple[SampledToken, ...]:
+        out = self._sampler.sample(logits, [buf.sampling for _, buf in rows], masks.bitmask)
         samples = []
         for i, (entry, buf) in enumerate(rows):
             token = out.token_ids[i]
@@ -208,6 +239,7 @@ class ModelRunner:
                     token_id=token,
                     logprob=out.logprobs[i] if out.logprobs is not None else None,
                     top_logprobs=tuple(out.top_logprobs[i]) if out.top_logprobs is not None else None,
+                    error=masks.errors.get(i),
                 )
             )
         return tuple(samples)
@@ -218,5 +250,8 @@ class ModelRunner:
                 raise ProtocolError(f"release of slot {slot}, which holds no request")
 
 
-def _cache_dir(config: EngineConfig) -> Path | None:
-    return Path(config.cache_dir) if config.cache_dir else None
+def model_dir(config: EngineConfig) -> Path:
+    """The model folder ``config`` names: its ``model_path``, or the embedded default (built on first use)."""
+    if config.model_path:
+        return Path(config.model_path)
+    return ensure_embedded_model(Path(config.cache_dir) if config.cache_dir else None)

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import ProtocolError
+from engine.grammar.backend import GrammarBackend
+from engine.grammar.registry import CommitEntry
 from engine.kv.allocator import PageAllocator
 from engine.kv.prefix_cache import RadixNode, RadixPrefixCache
 from engine.kv.slots import SlotTable
 from engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from engine.step import NewRequest, SampledToken, StepEntry, StepPlan, StepResult
-from engine.stop import AbortCause, Finish, FinishReason
+from engine.stop import AbortCause, Finish, FinishReason, StopUpdate
 
 
 @dataclass
@@ -70,8 +72,10 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 class Scheduler:
     """Plans steps and commits their results. Not thread-safe: one loop thread drives it."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, grammar: GrammarBackend | None = None) -> None:
         self._config = config
+        self._grammar = grammar
+        self._grammar_releases: list[str] = []
         self._page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.cache = RadixPrefixCache(config.page_size, self.allocator) if config.prefix_cache else None
@@ -169,6 +173,7 @@ class Scheduler:
             input_ref=unknown,
             page_table=tuple(req.pages),
             sample=True,
+            constrained=req.constraint is not None,
         )
         req.planned_output += 1
         return entry
@@ -188,6 +193,7 @@ class Scheduler:
             input_ref=False,
             page_table=tuple(req.pages),
             sample=final,
+            constrained=final and req.constraint is not None,
             new=None if req.sent_new else NewRequest(req.prompt_ids, req.params, req.seed),
         )
         req.sent_new = True
@@ -256,16 +262,50 @@ class Scheduler:
             raise ProtocolError(f"result for step {result.step_id} out of order: oldest in flight is {oldest}")
         plan = self._inflight.popleft()
         outcome = CommitOutcome()
+        live: list[tuple[Request, SampledToken]] = []
         for entry, sample in _pair(plan, result):
             req = self._requests[entry.request_id]
             req.inflight_steps -= 1
             if req.finishing:
-                continue  # C6, C7: nothing of this result reaches output, watermark or stream.
+                continue  # C6, C7: nothing of this result reaches output, grammar, watermark or stream.
             req.kv_committed = entry.end_pos
-            if sample is not None:
+            if sample is None:
+                continue
+            if sample.error is not None:  # the executor could not sample this row (no fenced mask): end it alone
+                outcome.extend(self._finish_now(req, _grammar_abort(sample.error)))
+                continue
+            live.append((req, sample))
+        refused = self._commit_grammar(live)
+        for req, sample in live:
+            if req.request_id in refused:
+                outcome.extend(self._finish_now(req, refused[req.request_id]))  # C13: only this request ends
+            else:
                 outcome.outputs.append(self._append(req, sample))
         outcome.extend(self._release_retired(plan))
+        self._flush_grammar_releases()
         return outcome
+
+    def _commit_grammar(self, live: list[tuple[Request, SampledToken]]) -> dict[str, Finish]:
+        """Commit this step's tokens of constrained requests to their grammars, in one batched call (C1, C2).
+
+        Returns the requests whose token the grammar refused, with the abort that ends them (C13). A request whose
+        grammar terminated keeps its token and is finished by :meth:`_append` (C6)."""
+        constrained = [(req, sample) for req, sample in live if req.constraint is not None]
+        if not constrained or self._grammar is None:
+            return {}
+        entries = [CommitEntry(req.request_id, len(req.output_ids), (s.token_id,)) for req, s in constrained]
+        refused: dict[str, Finish] = {}
+        for (req, sample), got in zip(constrained, self._grammar.commit(entries), strict=True):
+            if got.result is None:
+                code = got.refusal.value if got.refusal is not None else "error"
+                refused[req.request_id] = _grammar_abort(f"grammar commit refused ({code}): {got.message}")
+            elif got.result.rejected_token is not None:
+                refused[req.request_id] = _grammar_abort(
+                    f"the grammar refused token {sample.token_id} at output position {len(req.output_ids)}"
+                )
+            elif got.result.terminated:
+                req.grammar_terminated = True
+        return refused
 
     def fail_step(self, step_id: int, message: str, cause: AbortCause = AbortCause.EXECUTOR) -> CommitOutcome:
         """The executor could not run ``step_id``: every request it named ends with an abort saying why."""
@@ -312,6 +352,9 @@ class Scheduler:
             )
         req.output_ids.append(sample.token_id)
         update = req.stop_checker.append(sample.token_id)
+        if update.finish is None and req.grammar_terminated:
+            # C6: the grammar is complete; nothing after this token may be kept.
+            update = StopUpdate(update.text_delta, Finish(FinishReason.STOP, matched_token=sample.token_id), 0)
         logprobs: tuple[TokenLogprob, ...] = ()
         if (req.params.logprobs or req.params.top_logprobs) and sample.logprob is not None:
             logprobs = (TokenLogprob(sample.token_id, sample.logprob, sample.top_logprobs or ()),)
@@ -327,9 +370,19 @@ class Scheduler:
     def _decide_finish(self, req: Request, finish: Finish) -> None:
         req.finish = finish
         req.transition(RequestState.FINISHING)
+        if req.constraint is not None:
+            # Released at once, not after the in-flight step retires: a mask request of that step waiting at the
+            # fence for a commit that will never come is then refused at once instead of stalling the step (C3).
+            self._grammar_releases.append(req.request_id)
+
+    def _flush_grammar_releases(self) -> None:
+        if self._grammar_releases and self._grammar is not None:
+            self._grammar.release(self._grammar_releases)
+        self._grammar_releases = []
 
     def _finish_now(self, req: Request, finish: Finish) -> CommitOutcome:
         self._decide_finish(req, finish)
+        self._flush_grammar_releases()
         outcome = CommitOutcome(outputs=[self._output(req, (), "", ())])
         if req.inflight_steps == 0:
             outcome.released_slots.extend(self._release(req))
@@ -427,3 +480,7 @@ def _pair(plan: StepPlan, result: StepResult) -> Iterator[tuple[StepEntry, Sampl
         yield entry, sample
     if next(samples, None) is not None:
         raise ProtocolError(f"step {plan.step_id}: result has more samples than the plan")
+
+
+def _grammar_abort(message: str) -> Finish:
+    return Finish(FinishReason.ABORT, message=message, cause=AbortCause.GRAMMAR)

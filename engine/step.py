@@ -29,7 +29,8 @@ class StepEntry:
     comes out at output index ``ordinal``. Under overlap it counts the token of the step still in flight.
     ``input_ref`` means the single input token is the one this slot sampled last, which the scheduler does
     not know yet: the executor resolves it from its own per-request buffer, with no round trip.
-    ``sample`` is False for a middle chunk of a chunked prefill: nothing is sampled (C10).
+    ``sample`` is False for a middle chunk of a chunked prefill: nothing is sampled (C10). ``constrained``: the
+    executor samples under the grammar mask fenced at ``ordinal`` (C3), fetched while the forward runs (C4).
     """
 
     request_id: str
@@ -41,6 +42,7 @@ class StepEntry:
     page_table: tuple[int, ...]
     sample: bool
     new: NewRequest | None = None
+    constrained: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -64,13 +66,17 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class SampledToken:
-    """One sampled token of a step result, naming the ordinal it was sampled at."""
+    """One sampled token of a step result, naming the ordinal it was sampled at.
+
+    ``error`` is set (and ``token_id`` meaningless) when the executor could not sample this row, e.g. its fenced
+    grammar mask did not arrive (C3): the scheduler ends that request, the others go on."""
 
     request_id: str
     ordinal: int
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ class AbortCause(enum.Enum):
 
     CLIENT = "client"
     EXECUTOR = "executor"
-    GRAMMAR = "grammar"
+    GRAMMAR = "grammar"  # the grammar refused a token at commit (C13) or its mask never came (C3)
+    INVALID_GRAMMAR = "invalid_grammar"  # the constraint does not compile: the request is refused (INVALID_ARGUMENT)
     SHUTDOWN = "shutdown"
     INTERNAL = "internal"
 

@@ -323,6 +323,9 @@ class _LosableRunner:
     def healthy(self) -> bool:
         return not self.lost and self._inner.healthy()
 
+    def take_loss(self) -> str | None:
+        return None  # the loss is reported through the failing launches
+
 
 def test_executor_loss_ends_the_stream_unavailable_and_health_says_so(config: EngineConfig) -> None:
     runner = _LosableRunner(ModelRunner.load(config))

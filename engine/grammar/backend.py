@@ -1,0 +1,76 @@
+"""The grammar service as the engine sees it: in process (:class:`LocalGrammar`) or over gRPC.
+
+The scheduler opens a grammar per constrained request, commits each step's tokens (one batched call per step,
+from the ordinal it starts at: C2) and releases it; the executor asks for fenced masks at an ordinal (C3), also
+one batched call per step. Both sides talk to the same grammar state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+from engine.grammar.compiler import ConstraintCompiler
+from engine.grammar.constraint import Constraint
+from engine.grammar.registry import CommitEntry, CommitOutcome, GrammarRegistry, MaskEntry, MaskOutcome
+
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+
+
+class GrammarBackend(Protocol):
+    def open(self, request_id: str, constraint: Constraint) -> None:
+        """Compile (cached) and open a matcher at ordinal 0. Raises InvalidGrammarError (the grammar is bad:
+        INVALID_ARGUMENT with xgrammar's reason), GrammarTimeoutError or GrammarProtocolError."""
+        ...
+
+    def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]: ...
+
+    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]: ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+    @property
+    def num_open(self) -> int: ...
+
+
+class LocalGrammar:
+    """The grammar registry in this process (tests, benchmarks, a single-process engine).
+
+    Built from a model folder lazily, on the first constrained request, so that an engine that never sees one
+    never loads a tokenizer for xgrammar."""
+
+    def __init__(self, model_dir: str, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+        self._model_dir = model_dir
+        self._compile_timeout_s = compile_timeout_s
+        self._lock = threading.Lock()
+        self._registry: GrammarRegistry | None = None
+
+    @property
+    def registry(self) -> GrammarRegistry:
+        with self._lock:
+            if self._registry is None:
+                self._registry = GrammarRegistry(ConstraintCompiler.from_model_dir(self._model_dir))
+            return self._registry
+
+    def open(self, request_id: str, constraint: Constraint) -> None:
+        self.registry.open(request_id, constraint, self._compile_timeout_s)
+
+    def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
+        return self.registry.commit(entries)
+
+    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
+        return self.registry.fill_masks(entries, deadline_s)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        self.registry.release(request_ids)
+
+    @property
+    def num_open(self) -> int:
+        with self._lock:
+            return self._registry.num_open if self._registry is not None else 0
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._registry is not None:
+                self._registry.compiler.shutdown()
