@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 
@@ -45,22 +48,33 @@ class SeqInput:
 
 @dataclass(frozen=True, eq=False)
 class DecodeGroup:
-    """Every single-token sequence of the batch, attended together in one padded SDPA call.
+    """Every single-token sequence of the batch, attended together in one call.
 
-    Keys of sequence b are gathered from ``kv_slots[b, :kv_lens[b]]`` in position order; the rest of the
-    row is padding that points at slots of page 0 and is masked out.
+    Sequence b's keys are positions ``0 .. kv_lens[b]-1``, found through its page table row
+    ``page_tables[b]`` (padded with page 0 past its last page). Attention reads the pool by page, never by
+    token: the native kernel walks the table in place, the torch path gathers whole pages.
     """
 
     rows: torch.Tensor  # [B] row of each query token in the flattened batch
-    kv_slots: torch.Tensor  # [B, L] pool slot of key position l
+    page_tables: torch.Tensor  # [B, P] pages of each sequence in position order, 0-padded
     kv_lens: torch.Tensor  # [B] number of keys (= query position + 1)
-    mask: torch.Tensor  # [B, 1, 1, L] bool, True = attend
+    page_size: int
+    covers_batch: bool  # rows == 0 .. T-1: the batch is all decodes, queries need no gather/scatter
 
-    def window_mask(self, window: int) -> torch.Tensor:
-        """The mask when each query may only see the last ``window`` positions (itself included)."""
-        key_pos = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)  # [L]
-        recent = key_pos[None, :] >= (self.kv_lens[:, None] - window)  # [B, L]
-        return self.mask & recent[:, None, None, :]  # [B, 1, 1, L]
+    @property
+    def padded_len(self) -> int:
+        """Key positions covered by the padded page tables (P * page_size)."""
+        return int(self.page_tables.shape[1]) * self.page_size
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, P * page_size] bool, True = attend: the sequence's own keys, restricted to the last
+        ``window`` positions (its own included) when ``window`` is set."""
+        key_pos = torch.arange(self.padded_len, device=self.kv_lens.device)  # [L]
+        lens = self.kv_lens[:, None]  # [B, 1]
+        visible = key_pos[None, :] < lens  # [B, L]
+        if window is not None:
+            visible &= key_pos[None, :] >= lens - window  # [B, L]
+        return visible[:, None, None, :]  # [B, 1, 1, L]
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,13 +82,14 @@ class PrefillChunk:
     """A run of two or more consecutive tokens of one sequence, attended in its own SDPA call.
 
     When ``start_pos`` is 0 the chunk's keys are exactly its own freshly computed K/V, so nothing is
-    gathered (``kv_slots`` is None) and the mask is plain causal (``mask`` is None).
+    gathered (``pages`` is None) and the mask is plain causal (``mask`` is None). Otherwise its keys are
+    positions ``0 .. context_len-1``, read from the pool through ``pages``.
     """
 
     row_start: int
     row_end: int
     start_pos: int
-    kv_slots: torch.Tensor | None  # [ctx] pool slots of positions 0 .. ctx-1, or None
+    pages: torch.Tensor | None  # [ceil(ctx / page_size)] pages of positions 0 .. ctx-1, or None
     mask: torch.Tensor | None  # [n, ctx] bool causal mask offset by start_pos, or None
 
     @property
@@ -123,104 +138,142 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, seqs: Sequence[SeqInput], page_size: int, device: torch.device | str) -> ForwardBatch:
-        """Validate page tables and precompute ids, positions, write slots, gather indices and masks."""
+        """Validate page tables and precompute ids, positions, write slots, attention indices and masks.
+
+        Index arithmetic runs on host numpy arrays with no per-token Python, then moves to ``device``: this
+        runs once per step and must stay small next to a decode forward.
+        """
         if not seqs:
             raise ValueError("ForwardBatch.build needs at least one sequence")
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        tables = [_used_pages(i, seq, page_size) for i, seq in enumerate(seqs)]
-        lens = [len(seq.token_ids) for seq in seqs]
-        row_starts = [0]
-        for n in lens:
-            row_starts.append(row_starts[-1] + n)
-        num_pages = max(len(t) for t in tables)
-        padded = [t + [0] * (num_pages - len(t)) for t in tables]
-        page_tables = torch.tensor(padded, dtype=torch.long, device=device)  # [S, P]
-        seq_of_row = torch.repeat_interleave(
-            torch.arange(len(seqs), device=device),
-            torch.tensor(lens, device=device),
-            output_size=row_starts[-1],
-        )  # [T]
-        starts = torch.tensor([seq.start_pos for seq in seqs], dtype=torch.long, device=device)  # [S]
-        first_row = torch.tensor(row_starts[:-1], dtype=torch.long, device=device)  # [S]
-        offsets = torch.arange(row_starts[-1], device=device) - first_row[seq_of_row]  # [T]
-        positions = starts[seq_of_row] + offsets  # [T]
-        write_slots = page_tables[seq_of_row, positions // page_size] * page_size + positions % page_size
+        layout = _HostLayout.of(seqs, page_size)
+        positions = layout.positions()  # [T]
+        rows_page = layout.page_tables[layout.seq_of_row, positions // page_size]  # [T]
         return cls(
-            input_ids=torch.tensor([t for seq in seqs for t in seq.token_ids], dtype=torch.long, device=device),  # [T]
-            positions=positions,
-            write_slots=write_slots,  # [T]
-            logits_rows=_logits_rows(seqs, row_starts, device),
-            decode=_decode_group(seqs, row_starts, page_tables, page_size),
-            prefills=_prefill_chunks(seqs, row_starts, page_tables, page_size),
+            input_ids=_to(_flat_ints((seq.token_ids for seq in seqs), layout.num_tokens), device),  # [T]
+            positions=_to(positions, device),  # [T]
+            write_slots=_to(rows_page * page_size + positions % page_size, device),  # [T]
+            logits_rows=_to(layout.logits_rows([seq.logits for seq in seqs]), device),  # [R]
+            decode=_decode_group(layout, device),
+            prefills=_prefill_chunks(layout, device),
             page_size=page_size,
-            max_position=max(seq.end_pos for seq in seqs) - 1,
-            max_page=max(max(t) for t in tables),
+            max_position=int(layout.ends.max()) - 1,
+            max_page=int(layout.page_tables.max()),
         )
 
 
-def _used_pages(index: int, seq: SeqInput, page_size: int) -> list[int]:
-    """The prefix of the page table this step touches; raises if the table is too short."""
-    needed = -(-seq.end_pos // page_size)
-    if len(seq.page_table) < needed:
-        raise ValueError(
-            f"seq {index}: page_table has {len(seq.page_table)} pages of {page_size} tokens but positions "
-            f"0..{seq.end_pos - 1} (start_pos {seq.start_pos} + {len(seq.token_ids)} new tokens) "
-            f"need {needed} pages"
+_Ints = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, eq=False)
+class _HostLayout:
+    """Per-sequence counts and page tables of a step as host numpy arrays (S sequences, T tokens)."""
+
+    page_size: int
+    lens: _Ints  # [S] tokens of this step
+    starts: _Ints  # [S] first position written
+    row_starts: _Ints  # [S + 1] first row of each sequence, then T
+    seq_of_row: _Ints  # [T] sequence of each row
+    page_counts: _Ints  # [S] pages covering positions 0 .. end - 1
+    page_tables: _Ints  # [S, P] those pages, 0-padded
+
+    @classmethod
+    def of(cls, seqs: Sequence[SeqInput], page_size: int) -> _HostLayout:
+        count = len(seqs)
+        lens = np.fromiter((len(seq.token_ids) for seq in seqs), dtype=np.int64, count=count)  # [S]
+        row_starts = np.zeros(count + 1, dtype=np.int64)  # [S + 1]
+        np.cumsum(lens, out=row_starts[1:])
+        page_counts, page_tables = _page_tables(seqs, page_size)
+        return cls(
+            page_size=page_size,
+            lens=lens,
+            starts=np.fromiter((seq.start_pos for seq in seqs), dtype=np.int64, count=count),  # [S]
+            row_starts=row_starts,
+            seq_of_row=np.repeat(np.arange(count, dtype=np.int64), lens),  # [T]
+            page_counts=page_counts,
+            page_tables=page_tables,
         )
-    pages = [int(p) for p in seq.page_table[:needed]]
-    if min(pages) < 0:
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.row_starts[-1])
+
+    @property
+    def ends(self) -> _Ints:
+        """[S] one past the last position written."""
+        return self.starts + self.lens
+
+    def positions(self) -> _Ints:
+        """[T] position of every row."""
+        offsets = np.arange(self.num_tokens, dtype=np.int64) - self.row_starts[self.seq_of_row]  # [T]
+        return self.starts[self.seq_of_row] + offsets  # [T]
+
+    def logits_rows(self, modes: list[LogitsMode]) -> _Ints:
+        """[R] rows that produce logits, in row (= sequence) order."""
+        count = len(modes)
+        last = np.fromiter((m is LogitsMode.LAST for m in modes), dtype=np.bool_, count=count)  # [S]
+        every = np.fromiter((m is LogitsMode.ALL for m in modes), dtype=np.bool_, count=count)  # [S]
+        is_last_row = np.zeros(self.num_tokens, dtype=np.bool_)  # [T]
+        is_last_row[self.row_starts[1:] - 1] = True
+        keep = every[self.seq_of_row] | (last[self.seq_of_row] & is_last_row)  # [T]
+        return np.flatnonzero(keep).astype(np.int64)  # [R]
+
+
+def _page_tables(seqs: Sequence[SeqInput], page_size: int) -> tuple[_Ints, _Ints]:
+    """Page counts [S] and the 0-padded prefixes of the page tables this step touches [S, P]; validated."""
+    counts = [-(-seq.end_pos // page_size) for seq in seqs]
+    for index, (seq, needed) in enumerate(zip(seqs, counts, strict=True)):
+        if len(seq.page_table) < needed:
+            raise ValueError(
+                f"seq {index}: page_table has {len(seq.page_table)} pages of {page_size} tokens but positions "
+                f"0..{seq.end_pos - 1} (start_pos {seq.start_pos} + {len(seq.token_ids)} new tokens) "
+                f"need {needed} pages"
+            )
+    flat = _flat_ints((seq.page_table[:needed] for seq, needed in zip(seqs, counts, strict=True)), sum(counts))
+    if int(flat.min()) < 0:
+        index = int(np.searchsorted(np.cumsum(counts), int(flat.argmin()), side="right"))
+        pages = list(seqs[index].page_table[: counts[index]])
         raise ValueError(f"seq {index}: page_table contains a negative page id: {pages}")
-    return pages
+    page_counts = np.array(counts, dtype=np.int64)  # [S]
+    tables = np.zeros((len(seqs), int(page_counts.max())), dtype=np.int64)  # [S, P]
+    # Row-major boolean assignment fills each row's leading page_counts[s] entries in order.
+    tables[np.arange(tables.shape[1])[None, :] < page_counts[:, None]] = flat
+    return page_counts, tables
 
 
-def _slots(pages: torch.Tensor, num_positions: int, page_size: int) -> torch.Tensor:
-    """Pool slots of positions 0 .. num_positions-1 for page table(s) ``pages`` ([..., P])."""
-    pos = torch.arange(num_positions, device=pages.device)  # [L]
-    return pages[..., pos // page_size] * page_size + pos % page_size  # [..., L]
+def _flat_ints(parts: Iterable[Sequence[int]], total: int) -> _Ints:
+    """Concatenate integer sequences into one int64 array without building an intermediate list."""
+    return np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=total)
 
 
-def _decode_group(
-    seqs: Sequence[SeqInput], row_starts: list[int], page_tables: torch.Tensor, page_size: int
-) -> DecodeGroup | None:
-    members = [i for i, seq in enumerate(seqs) if len(seq.token_ids) == 1]
-    if not members:
+def _to(array: _Ints, device: torch.device | str) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def _decode_group(layout: _HostLayout, device: torch.device | str) -> DecodeGroup | None:
+    members = np.flatnonzero(layout.lens == 1)  # [B]
+    if members.size == 0:
         return None
-    device = page_tables.device
-    kv_lens = torch.tensor([seqs[i].end_pos for i in members], dtype=torch.long, device=device)  # [B]
-    max_len = max(seqs[i].end_pos for i in members)
-    member_idx = torch.tensor(members, dtype=torch.long, device=device)  # [B]
-    valid = torch.arange(max_len, device=device)[None, :] < kv_lens[:, None]  # [B, L]
+    width = int(layout.page_counts[members].max())
+    covers_batch = members.size == layout.lens.size
     return DecodeGroup(
-        rows=torch.tensor([row_starts[i] for i in members], dtype=torch.long, device=device),  # [B]
-        kv_slots=_slots(page_tables[member_idx], max_len, page_size),  # [B, L]
-        kv_lens=kv_lens,
-        mask=valid[:, None, None, :],  # [B, 1, 1, L]
+        rows=_to(layout.row_starts[members], device),  # [B]
+        page_tables=_to(layout.page_tables[members, :width], device),  # [B, P]
+        kv_lens=_to(layout.ends[members], device),  # [B]
+        page_size=layout.page_size,
+        covers_batch=covers_batch,
     )
 
 
-def _prefill_chunks(
-    seqs: Sequence[SeqInput], row_starts: list[int], page_tables: torch.Tensor, page_size: int
-) -> tuple[PrefillChunk, ...]:
+def _prefill_chunks(layout: _HostLayout, device: torch.device | str) -> tuple[PrefillChunk, ...]:
     chunks = []
-    for i, seq in enumerate(seqs):
-        if len(seq.token_ids) == 1:
-            continue
-        kv_slots = mask = None
-        if seq.start_pos > 0:
-            kv_slots = _slots(page_tables[i], seq.end_pos, page_size)  # [ctx]
-            device = page_tables.device
-            query_pos = torch.arange(seq.start_pos, seq.end_pos, device=device)  # [n]
-            mask = torch.arange(seq.end_pos, device=device)[None, :] <= query_pos[:, None]  # [n, ctx]
-        chunks.append(PrefillChunk(row_starts[i], row_starts[i + 1], seq.start_pos, kv_slots, mask))
+    for i in np.flatnonzero(layout.lens > 1).tolist():
+        start, end = int(layout.starts[i]), int(layout.ends[i])
+        pages = mask = None
+        if start > 0:
+            pages = _to(layout.page_tables[i, : layout.page_counts[i]], device)  # [ceil(ctx / page_size)]
+            query_pos = torch.arange(start, end, device=device)  # [n]
+            mask = torch.arange(end, device=device)[None, :] <= query_pos[:, None]  # [n, ctx]
+        chunks.append(PrefillChunk(int(layout.row_starts[i]), int(layout.row_starts[i + 1]), start, pages, mask))
     return tuple(chunks)
-
-
-def _logits_rows(seqs: Sequence[SeqInput], row_starts: list[int], device: torch.device | str) -> torch.Tensor:
-    rows: list[int] = []
-    for i, seq in enumerate(seqs):
-        if seq.logits is LogitsMode.LAST:
-            rows.append(row_starts[i + 1] - 1)
-        elif seq.logits is LogitsMode.ALL:
-            rows.extend(range(row_starts[i], row_starts[i + 1]))
-    return torch.tensor(rows, dtype=torch.long, device=device)  # [R]

@@ -1,0 +1,235 @@
+"""Native CPU kernels: C sources compiled once with the system compiler, cached on disk, loaded with ctypes.
+
+Why not a torch C++ extension: including torch's headers makes one compile take about a minute, while the
+plain C kernel here compiles in a few seconds and needs only data pointers. ctypes releases the GIL for
+the duration of a call, so the engine's overlap loop keeps planning while attention runs.
+
+The compiled library lives in ``$ORDINAL_CACHE_DIR/kernels/`` (else ``~/.cache/ordinal/kernels/``) under a
+name that hashes the source, the compiler's identity and the flags, so a changed kernel or toolchain never
+loads a stale build. Set ``ORDINAL_NATIVE=0`` to force the pure torch paths (tests compare both).
+
+Module state: the only cache is :func:`_load_paged_decode`, a ``functools.cache``'d loader, so a process
+compiles (or finds) and loads the library at most once and warns at most once when it cannot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model.embedded import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+NATIVE_ENV = "ORDINAL_NATIVE"
+PAGED_DECODE_SOURCE = Path(__file__).with_name("paged_decode.c")
+# No -march=native (a cache directory may be shared between machines; the source picks ISA variants at run
+# time instead) and no -ffast-math (it would drop NaN/inf semantics everywhere; the `omp simd` pragmas license
+# reassociation exactly where the kernel needs it).
+COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+_COMPILE_TIMEOUT_S = 120.0
+
+
+def native_enabled() -> bool:
+    """False when ``ORDINAL_NATIVE=0``: callers then take their pure torch path. Read at every call."""
+    return os.environ.get(NATIVE_ENV, "1").strip() != "0"
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels are kept: ``<ordinal cache>/kernels``."""
+    return default_cache_dir() / "kernels"
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """The C compiler used for native kernels and what identifies its output."""
+
+    compiler: str  # absolute path
+    identity: str  # first line of `--version`, e.g. "cc (Debian 12.2.0-14) 12.2.0"
+    flags: tuple[str, ...]
+
+    @classmethod
+    def find(cls, flags: tuple[str, ...] = COMPILE_FLAGS) -> Toolchain | None:
+        """``$CC``, else ``cc``, else ``gcc`` from PATH; None when none answers ``--version``."""
+        for name in (os.environ.get("CC"), "cc", "gcc"):
+            path = shutil.which(name) if name else None
+            if path is None:
+                continue
+            try:
+                done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=True)
+            except (OSError, subprocess.SubprocessError):
+                continue
+            lines = done.stdout.strip().splitlines()
+            return cls(path, lines[0] if lines else "", flags)
+        return None
+
+    def library_name(self, stem: str, source: bytes) -> str:
+        """``<stem>-<hash>.so``; the hash covers source, compiler identity, flags and the machine type."""
+        digest = hashlib.sha256()
+        for part in (source, self.compiler.encode(), self.identity.encode(), " ".join(self.flags).encode()):
+            digest.update(part)
+            digest.update(b"\x00")
+        digest.update(platform.machine().encode())
+        return f"{stem}-{digest.hexdigest()[:16]}.so"
+
+    def compile(self, source: Path, output: Path) -> None:
+        """Compile ``source`` into the shared library ``output``, atomically (a temp file, then os.replace).
+
+        Concurrent processes may both compile; each rename is atomic and the results are identical.
+        Raises RuntimeError with the compiler's message when the compile fails.
+        """
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{output.stem}.", suffix=".tmp.so", dir=output.parent)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            cmd = [self.compiler, *self.flags, "-o", str(tmp), str(source), "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+            if done.returncode != 0:
+                raise RuntimeError(f"`{' '.join(cmd)}` failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+            tmp.chmod(0o755)
+            os.replace(tmp, output)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def build_library(stem: str, source: Path, toolchain: Toolchain, cache_dir: Path) -> Path:
+    """The cached library for ``source``, compiling it first if this exact build is not cached yet."""
+    output = cache_dir / toolchain.library_name(stem, source.read_bytes())
+    if not output.is_file():
+        toolchain.compile(source, output)
+    return output
+
+
+@dataclass(frozen=True, eq=False)
+class PagedDecodeKernel:
+    """The loaded paged decode attention kernel (``ordinal_paged_decode`` in ``paged_decode.c``).
+
+    One query token per sequence; K/V are read in place from the pool through the page tables, the GQA
+    group of query heads of one kv head is handled together, and (sequence, kv head) items run in parallel
+    on ``torch.get_num_threads()`` OpenMP threads.
+    """
+
+    path: Path
+    library: ctypes.CDLL
+
+    @classmethod
+    def load(cls, path: Path) -> PagedDecodeKernel:
+        """Load a compiled ``paged_decode`` library and declare the entry point's C signature."""
+        library = ctypes.CDLL(str(path))
+        fn = library.ordinal_paged_decode
+        fn.restype = ctypes.c_int
+        # Pointers travel as plain addresses (Tensor.data_ptr()); the C side declares their element types.
+        fn.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int]
+        return cls(path, library)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        page_tables: torch.Tensor,
+        kv_lens: torch.Tensor,
+        page_size: int,
+        window: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [B, H, D]; k_pool, v_pool: [slots, Hkv, D]; page_tables: [B, P] int64; kv_lens: [B] int64.
+
+        All CPU float32 (indices int64). ``window`` 0 means full causal attention, otherwise the query at
+        position ``kv_lens[b] - 1`` sees the last ``window`` keys. Returns [B, H, D].
+
+        The caller guarantees the values: ``1 <= kv_lens[b] <= P * page_size`` and every page id used is
+        inside the pool (ForwardBatch and the model's checks do); shapes, dtypes and layout are checked here.
+        """
+        batch, heads, head_dim = q.shape
+        _check_args(q, k_pool, v_pool, page_tables, kv_lens, page_size, window)
+        q = q.contiguous()
+        out = torch.empty_like(q)  # [B, H, D]
+        status = self.library.ordinal_paged_decode(
+            q.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            page_tables.data_ptr(),
+            kv_lens.data_ptr(),
+            out.data_ptr(),
+            batch,
+            heads,
+            k_pool.shape[1],
+            head_dim,
+            page_tables.shape[1],
+            page_size,
+            window,
+            scale,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("paged decode kernel could not allocate its scratch buffers")
+        return out
+
+
+def _check_args(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_size: int,
+    window: int,
+) -> None:
+    # Cheap structural checks only: a wrong layout here would be a silent out-of-bounds read in C.
+    batch, heads, head_dim = q.shape
+    if k_pool.shape != v_pool.shape or k_pool.dim() != 3 or k_pool.shape[2] != head_dim:
+        raise ValueError(f"pool shapes {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not fit q {tuple(q.shape)}")
+    if heads % k_pool.shape[1] != 0:
+        raise ValueError(f"{heads} query heads are not a multiple of {k_pool.shape[1]} kv heads")
+    for name, t, dtype in (
+        ("q", q, torch.float32),
+        ("k_pool", k_pool, torch.float32),
+        ("v_pool", v_pool, torch.float32),
+        ("page_tables", page_tables, torch.int64),
+        ("kv_lens", kv_lens, torch.int64),
+    ):
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+        if name != "q" and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if page_tables.dim() != 2 or page_tables.shape[0] != batch or kv_lens.shape != (batch,):
+        raise ValueError(f"page_tables {tuple(page_tables.shape)} / kv_lens {tuple(kv_lens.shape)} vs batch {batch}")
+    if page_size <= 0 or window < 0 or k_pool.shape[0] % page_size != 0:
+        raise ValueError(f"bad page_size {page_size} or window {window} for a pool of {k_pool.shape[0]} slots")
+
+
+def paged_decode_kernel() -> PagedDecodeKernel | None:
+    """The native kernel, or None when ``ORDINAL_NATIVE=0`` or it cannot be built (warned once per process)."""
+    return _load_paged_decode() if native_enabled() else None
+
+
+@functools.cache
+def _load_paged_decode() -> PagedDecodeKernel | None:
+    toolchain = Toolchain.find()
+    if toolchain is None:
+        log.warning("no C compiler (cc/gcc) found: paged decode attention uses the slower torch path")
+        return None
+    return load_paged_decode(toolchain, kernel_cache_dir())
+
+
+def load_paged_decode(toolchain: Toolchain, cache_dir: Path) -> PagedDecodeKernel | None:
+    """Build (or find) the paged decode library in ``cache_dir`` and load it; None, with a warning, on failure."""
+    try:
+        path = build_library("paged_decode", PAGED_DECODE_SOURCE, toolchain, cache_dir)
+        return PagedDecodeKernel.load(path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("native paged decode kernel unavailable, using the torch path: %s", exc)
+        return None
