@@ -101,7 +101,7 @@ async def run_grpc(target: str, streams: int, jobs: list[Job]) -> Report:
 
         async def one(job: Job) -> AsyncIterator[int]:
             params = pb.SamplingParams(
-                temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, max_new_tokens=job.max_new_tokens
+                temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=1, max_new_tokens=job.max_new_tokens
             )
             params.ignore_eos = True
             request = pb.GenerateRequest(
