@@ -287,14 +287,14 @@ class Engine:
             self._drain_inbox()
             if not inflight and (lost := self.runner.take_loss()) is not None:
                 self._executor_lost(None, lost)  # lost while idle: handle it before planning anything new
+            if not self.config.grammar_overlap and any(e.constrained for p, _ in inflight for e in p.entries):
+                # C4, early commit: the executor will not wait at the grammar fence, so a constrained result still
+                # pending is committed before the next step is planned and launched (at launch none is pending).
+                while inflight:
+                    self._commit(*inflight.popleft())
             with self._lock:
                 plan = self.scheduler.plan()
             if plan is not None:
-                if not self.config.grammar_overlap and any(e.constrained for e in plan.entries):
-                    # C4, early commit: the executor will not wait for these masks, so the tokens they build on
-                    # must be committed to the grammar before launch (at launch no result is pending).
-                    while inflight:
-                        self._commit(*inflight.popleft())
                 self._timeline.step_launched(plan)
                 inflight.append((plan, self.runner.launch(plan)))
             # Overlap keeps the step just launched in flight while the one before it is committed.

@@ -1,0 +1,374 @@
+"""Constrained vs unconstrained decoding throughput, with the grammar's cost per step, in one run.
+
+The in-process engine on one model (the embedded one by default) serves the same closed-loop workload three ways:
+unconstrained; constrained with delayed sampling (``grammar_overlap``, the default: masks are fetched while the
+forward runs); constrained with early commit (``grammar_overlap=False``). ``--streams`` requests are in flight at
+all times: a new one is submitted whenever one finishes. Constrained requests each follow one JSON schema, cycled
+from a built-in set or from ``--schemas DIR`` (``*.json`` files, e.g. a JSONSchemaBench folder). The modes run
+in interleaved rounds, so that load from outside the benchmark slows each of them alike; the table shows the best
+and the median round.
+
+Per step with constrained rows it reports how long the executor waited for its masks after the forward (the
+cost delayed sampling does not hide), how long the batched ``fill_masks`` call took from its start (fence wait
+and mask computation, overlapped with the forward), and how many bytes a FillMasks reply of the grammar service
+would carry for that step (packed with ``services.grammar.convert.encode_masks``: distinct rows once, all-allowed
+rows as a reference).
+
+    .venv/bin/python bench/grammar.py                       # 32 streams, prints one table with the ratio
+    .venv/bin/python bench/grammar.py --schemas ../shared/jsonschemabench --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.grammar.backend import LocalGrammar
+from engine.grammar.compiler import words_per_row
+from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.grammar.masks import PendingMasks, StepMasks
+from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskOutcome
+from engine.model.embedded import ensure_embedded_model
+from engine.request import RequestOutput
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.step import StepEntry
+from engine.stop import FinishReason
+from services.grammar.convert import encode_masks
+
+BUILTIN_SCHEMAS: tuple[dict[str, object], ...] = (
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"}},
+        "required": ["name", "age", "email"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string"},
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}},
+                    "required": ["sku", "qty"],
+                },
+            },
+            "paid": {"type": "boolean"},
+        },
+        "required": ["order_id", "items", "paid"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": ["get_weather", "search", "calculator"]},
+            "arguments": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+        "required": ["name", "arguments"],
+    },
+    {"type": "array", "items": {"type": "number"}, "minItems": 3},
+)
+
+
+# ---------------------------------------------------------------------------------------------- instrumentation
+
+
+@dataclass
+class GrammarCosts:
+    """What the grammar cost per step: executor waits after the forward, fill_masks durations, reply sizes."""
+
+    mask_waits_s: list[float] = field(default_factory=list)
+    fill_calls_s: list[float] = field(default_factory=list)
+    replies: list[list[MaskOutcome]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def reply_bytes(self, words: int) -> list[int]:
+        """Bytes of the FillMasks reply the grammar service would send for each recorded step (sized after the run,
+        so that packing does not slow the run down)."""
+        return [encode_masks(outcomes, words).ByteSize() for outcomes in self.replies]
+
+
+class TimedGrammar:
+    """A grammar backend that forwards to a :class:`LocalGrammar` and times each batched ``fill_masks`` call."""
+
+    def __init__(self, inner: LocalGrammar, costs: GrammarCosts) -> None:
+        self.inner = inner
+        self.costs = costs
+
+    def open(self, request_id: str, constraint: Constraint) -> None:
+        self.inner.open(request_id, constraint)
+
+    def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
+        return self.inner.commit(entries)
+
+    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
+        started = time.perf_counter()
+        outcomes = self.inner.fill_masks(entries, deadline_s)
+        with self.costs.lock:
+            self.costs.fill_calls_s.append(time.perf_counter() - started)
+            self.costs.replies.append(outcomes)
+        return outcomes
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        self.inner.release(request_ids)
+
+    @property
+    def num_open(self) -> int:
+        return self.inner.num_open
+
+
+class _TimedPendingMasks(PendingMasks):
+    """A step's pending masks whose ``result`` (called right after the forward) records how long it blocked."""
+
+    def __init__(self, inner: PendingMasks, costs: GrammarCosts) -> None:  # delegates; the base state is unused
+        self._inner = inner
+        self._costs = costs
+
+    def result(self, device: torch.device) -> StepMasks:
+        started = time.perf_counter()
+        masks = self._inner.result(device)
+        with self._costs.lock:
+            self._costs.mask_waits_s.append(time.perf_counter() - started)
+        return masks
+
+
+class TimedRunner(ModelRunner):
+    """The model runner, measuring the executor's wait for masks after each forward (instrumentation only)."""
+
+    costs: GrammarCosts
+
+    def _start_masks(self, sampling: list[StepEntry]) -> PendingMasks | None:
+        pending = super()._start_masks(sampling)
+        return _TimedPendingMasks(pending, self.costs) if pending is not None else None
+
+
+# ---------------------------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    constraint: Constraint | None
+
+
+@dataclass
+class Tally:
+    """One mode's measurements over every round."""
+
+    name: str
+    rates: list[float] = field(default_factory=list)  # output tokens/s of each round
+    cpu_s: float = 0.0  # this process's CPU time (every thread) over all rounds: what outside load cannot inflate
+    output_tokens: int = 0
+    requests: int = 0
+    finished_by_stop: int = 0
+
+    @property
+    def best(self) -> float:
+        """The fastest round: the one least slowed down by whatever else runs on the machine."""
+        return max(self.rates)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rates)
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        return 1e3 * self.cpu_s / self.output_tokens
+
+
+def load_schemas(folder: Path | None) -> list[Constraint]:
+    texts = [json.dumps(s) for s in BUILTIN_SCHEMAS]
+    if folder is not None:
+        texts = [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.json"))]
+        if not texts:
+            raise SystemExit(f"no *.json schema in {folder}")
+    return [Constraint(ConstraintKind.JSON_SCHEMA, text) for text in texts]
+
+
+def make_jobs(n: int, vocab: int, max_new: int, seed: int) -> list[Job]:
+    """Prompts of 16-64 random tokens; seeded sampling so both runs see comparable (not identical) outputs."""
+    rng = random.Random(seed)
+    return [
+        Job(
+            tuple(rng.randrange(10, vocab) for _ in range(rng.randint(16, 64))),
+            SamplingParams(temperature=0.8, seed=seed * 100_003 + i, max_new_tokens=max_new),
+            None,
+        )
+        for i in range(n)
+    ]
+
+
+def constrain(jobs: list[Job], schemas: Sequence[Constraint]) -> list[Job]:
+    return [replace(job, constraint=schemas[i % len(schemas)]) for i, job in enumerate(jobs)]
+
+
+def closed_loop(
+    engine: Engine, jobs: Sequence[Job], streams: int, timeout_s: float
+) -> tuple[float, list[RequestOutput]]:
+    """Keep ``streams`` requests in flight until every job ran; returns the wall time and the final outputs."""
+    finished: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def sink(out: RequestOutput) -> None:
+        if out.finished:
+            finished.put(out)
+
+    pending = list(reversed(jobs))
+    finals: list[RequestOutput] = []
+    started = time.perf_counter()
+    for _ in range(min(streams, len(pending))):
+        job = pending.pop()
+        engine.submit(job.prompt, job.params, sink, constraint=job.constraint)
+    while len(finals) < len(jobs):
+        finals.append(finished.get(timeout=timeout_s))
+        if pending:
+            job = pending.pop()
+            engine.submit(job.prompt, job.params, sink, constraint=job.constraint)
+    return time.perf_counter() - started, finals
+
+
+class Mode:
+    """One way of serving the workload: an engine of its own, with its grammar costs recorded."""
+
+    def __init__(self, name: str, config: EngineConfig, constrained: bool) -> None:
+        self.constrained = constrained
+        self.tally = Tally(name)
+        self.costs = GrammarCosts()
+        self._grammar = LocalGrammar(str(config.model_path))
+        backend = TimedGrammar(self._grammar, self.costs)
+        runner = TimedRunner.load(config, backend)
+        assert isinstance(runner, TimedRunner)
+        runner.costs = self.costs
+        self.words = words_per_row(runner.info.vocab_size)
+        self.engine = Engine(config, runner=runner, grammar=backend)
+
+    def jobs(self, jobs: list[Job], schemas: Sequence[Constraint]) -> list[Job]:
+        return constrain(jobs, schemas) if self.constrained else jobs
+
+    def warm_up(self, jobs: list[Job], streams: int) -> None:
+        """Compile every schema and warm the caches; what it costs is not counted."""
+        closed_loop(self.engine, jobs, streams, timeout_s=600)
+        if not self.engine.wait_idle(60):
+            raise RuntimeError(f"{self.tally.name}: the engine did not drain after the warmup")
+        self.costs.mask_waits_s.clear()
+        self.costs.fill_calls_s.clear()
+        self.costs.replies.clear()
+
+    def run_round(self, jobs: list[Job], streams: int) -> None:
+        cpu_started = time.process_time()
+        wall, finals = closed_loop(self.engine, jobs, streams, timeout_s=600)
+        self.tally.cpu_s += time.process_time() - cpu_started
+        aborted = [o.finish for o in finals if o.finish is not None and o.finish.reason is FinishReason.ABORT]
+        if aborted:
+            raise RuntimeError(f"{self.tally.name}: {len(aborted)} requests aborted, e.g. {aborted[0]}")
+        if not self.engine.wait_idle(60) or self._grammar.num_open != 0:
+            raise RuntimeError(f"{self.tally.name}: the engine did not drain, or matchers were left open")
+        tokens = sum(o.num_output_tokens for o in finals)
+        self.tally.rates.append(tokens / wall)
+        self.tally.output_tokens += tokens
+        self.tally.requests += len(finals)
+        self.tally.finished_by_stop += sum(
+            o.finish is not None and o.finish.reason is FinishReason.STOP for o in finals
+        )
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self._grammar.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def print_table(modes: Sequence[Mode], streams: int) -> None:
+    base = modes[0].tally
+    header = (
+        f"{'mode':<31}{'tok/s best':>11}{'ratio':>7}{'tok/s med':>10}{'ratio':>7}{'CPU ms/tok':>11}{'ratio':>7}"
+        f"{'out/req':>8}{'stop%':>6}"
+        f"{'wait p50/p99 ms':>17}{'fill p50/p99 ms':>17}{'reply B/step p50/max':>22}"
+    )
+    print(header)
+    print("-" * len(header))
+    for mode in modes:
+        t, c = mode.tally, mode.costs
+        waits = fills = reply = "-"
+        if c.mask_waits_s:
+            waits = f"{percentile(c.mask_waits_s, 0.5) * 1e3:.2f}/{percentile(c.mask_waits_s, 0.99) * 1e3:.2f}"
+            fills = f"{percentile(c.fill_calls_s, 0.5) * 1e3:.2f}/{percentile(c.fill_calls_s, 0.99) * 1e3:.2f}"
+            sizes = c.reply_bytes(mode.words)
+            reply = f"{statistics.median(sizes):.0f}/{max(sizes)}"
+        print(
+            f"{t.name:<31}{t.best:>11.1f}{t.best / base.best:>6.2f}x{t.median:>10.1f}{t.median / base.median:>6.2f}x"
+            f"{t.cpu_ms_per_token:>11.2f}{t.cpu_ms_per_token / base.cpu_ms_per_token:>6.2f}x"
+            f"{t.output_tokens / t.requests:>8.1f}{100 * t.finished_by_stop / t.requests:>5.0f}%"
+            f"{waits:>17}{fills:>17}{reply:>22}"
+        )
+    rows = [len(outcomes) for outcomes in modes[1].costs.replies]
+    print(
+        f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; ratio: vs unconstrained. CPU: this "
+        "process, all threads (grammar work competes with a CPU forward for the same cores). wait: the "
+        "executor blocked on masks after the forward; fill: one batched fill_masks call (fence wait + masks, "
+        f"overlapped with the forward). Constrained rows per mask step: median {statistics.median(rows):.0f}, max "
+        f"{max(rows)}; a mask row is {modes[0].words} int32 words ({modes[0].words * 4} B) for this vocabulary."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="HF folder; default: the embedded model")
+    parser.add_argument("--streams", type=int, default=32, help="requests in flight at all times")
+    parser.add_argument("--requests", type=int, default=96, help="requests per mode and round")
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--schemas", type=Path, default=None, help="a folder of *.json schemas to cycle through")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per mode, interleaved (best and median shown)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    path = args.model or ensure_embedded_model()
+    base = EngineConfig(model_path=str(path), num_pages=8192, max_running=max(64, args.streams), chunk_size=1024)
+    from engine.model.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(path).vocab_size
+    schemas = load_schemas(args.schemas)
+    jobs = make_jobs(args.requests, vocab, args.max_new, args.seed)
+    warm = make_jobs(len(schemas), vocab, 4, args.seed + 1)
+    print(
+        f"{args.requests} requests per mode and round, {args.streams} streams, up to {args.max_new} tokens each, "
+        f"{len(schemas)} schemas, torch threads {torch.get_num_threads()}\n"
+    )
+    modes = [
+        Mode("unconstrained", base, constrained=False),
+        Mode("constrained, delayed sampling", base, constrained=True),
+        Mode("constrained, early commit", replace(base, grammar_overlap=False), constrained=True),
+    ]
+    try:
+        for mode in modes:
+            mode.warm_up(mode.jobs(warm, schemas), args.streams)
+        for _ in range(args.rounds):  # interleaved, so that load from outside hits every mode alike
+            for mode in modes:
+                mode.run_round(mode.jobs(jobs, schemas), args.streams)
+    finally:
+        for mode in modes:
+            mode.close()
+    print_table(modes, args.streams)
+
+
+if __name__ == "__main__":
+    main()
