@@ -15,6 +15,27 @@ class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+class JoinedText:
+    """Text built from appended pieces, joined only when read and only once per change (no O(n^2) rejoining
+    when a stream reads the text after every token)."""
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._joined = ""
+        self._joined_count = 0
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+
+    @property
+    def text(self) -> str:
+        if self._joined_count != len(self._pieces):
+            self._joined = "".join(self._pieces)
+            self._joined_count = len(self._pieces)
+        return self._joined
+
+
 class IncrementalDetokenizer:
     """Decodes one token at a time, returning only text that later tokens cannot change.
 
@@ -33,17 +54,12 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._pieces: list[str] = []
-        self._joined = ""
-        self._joined_count = 0
+        self._text = JoinedText()
 
     @property
     def text(self) -> str:
         """All stable text returned so far."""
-        if self._joined_count != len(self._pieces):
-            self._joined = "".join(self._pieces)
-            self._joined_count = len(self._pieces)
-        return self._joined
+        return self._text.text
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly stable text (possibly empty)."""
@@ -73,6 +89,5 @@ class IncrementalDetokenizer:
     def _advance(self, delta: str) -> str:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        if delta:
-            self._pieces.append(delta)
+        self._text.append(delta)
         return delta

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.detokenizer import Decoder, IncrementalDetokenizer
+from engine.detokenizer import Decoder, IncrementalDetokenizer, JoinedText
 from engine.errors import ProtocolError
 from engine.sampling_params import SamplingParams
 
@@ -106,17 +106,12 @@ class StopChecker:
         self._recent = ""  # suffix of the stable text: the held-back text plus the search tail
         self._recent_start = 0  # offset of _recent in the stable text
         self._token_ends: list[int] = []  # stable text length after each token
-        self._pieces: list[str] = []
-        self._joined = ""
-        self._joined_count = 0
+        self._text = JoinedText()
 
     @property
     def text(self) -> str:
         """The output text so far (the concatenation of all deltas)."""
-        if self._joined_count != len(self._pieces):
-            self._joined = "".join(self._pieces)
-            self._joined_count = len(self._pieces)
-        return self._joined
+        return self._text.text
 
     @property
     def num_tokens(self) -> int:
@@ -161,8 +156,7 @@ class StopChecker:
         upto = max(upto, self._emitted_len)
         delta = self._recent[self._emitted_len - self._recent_start : upto - self._recent_start]
         self._emitted_len = upto
-        if delta:
-            self._pieces.append(delta)
+        self._text.append(delta)
         keep_from = min(self._emitted_len, self._stable_len - self._tail_len)
         if keep_from > self._recent_start:
             self._recent = self._recent[keep_from - self._recent_start :]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-import time
 import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -35,9 +34,10 @@ from engine.engine import Engine
 from engine.errors import ExecutorUnavailableError
 from engine.runner import ModelInfo, ModelRunner
 from engine.step import StepPlan, StepResult
-from services.scheduler.server import ThreadedServer
 from services.scheduler.servicer import SERVICE_NAME
 from services.scheduler.tokenizer_zip import tokenizer_chunks
+from tests.e2e.stack import wait_for
+from tests.helpers import serve_scheduler, smg_params, smg_request
 
 TIMEOUT = 30.0
 
@@ -55,10 +55,8 @@ def engine(config: EngineConfig) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def channel(engine: Engine) -> Iterator[grpc.Channel]:
-    with ThreadedServer(engine) as server:
-        port = server.start()
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            yield ch
+    with serve_scheduler(engine) as ch:
+        yield ch
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +65,11 @@ def stub(channel: grpc.Channel) -> pb_grpc.SglangSchedulerStub:
 
 
 def _params(**fields: Any) -> pb.SamplingParams:
-    base: dict[str, Any] = dict(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=1, max_new_tokens=4)
-    base.update(fields)
-    return pb.SamplingParams(**base)
+    return smg_params(**{"max_new_tokens": 4, **fields})
 
 
 def _request(ids: list[int], rid: str = "", stream: bool = False, **fields: Any) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=rid, tokenized=pb.TokenizedInput(input_ids=ids), sampling_params=_params(**fields), stream=stream
-    )
+    return smg_request(ids, rid, stream, **{"max_new_tokens": 4, **fields})
 
 
 def _error(call: Callable[[], object]) -> grpc.RpcError:
@@ -329,26 +323,25 @@ class _LosableRunner:
 
 def test_executor_loss_ends_the_stream_unavailable_and_health_says_so(config: EngineConfig) -> None:
     runner = _LosableRunner(ModelRunner.load(config))
-    with Engine(config, runner) as engine, ThreadedServer(engine) as server:
-        port = server.start()
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stub = pb_grpc.SglangSchedulerStub(ch)
-            call = stub.Generate(
-                _request([3, 4, 5], rid="lost", stream=True, max_new_tokens=900, ignore_eos=True), timeout=TIMEOUT
-            )
-            assert next(call).HasField("chunk")
-            runner.lost = True
-            err = _error(lambda: list(call))
-            assert err.code() is grpc.StatusCode.UNAVAILABLE and "executor" in (err.details() or "")
-            assert not stub.HealthCheck(pb.HealthCheckRequest(), timeout=TIMEOUT).healthy
-            _wait_health(ch, SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-            assert engine.wait_idle(TIMEOUT)
+    with Engine(config, runner) as engine, serve_scheduler(engine) as ch:
+        stub = pb_grpc.SglangSchedulerStub(ch)
+        call = stub.Generate(
+            _request([3, 4, 5], rid="lost", stream=True, max_new_tokens=900, ignore_eos=True), timeout=TIMEOUT
+        )
+        assert next(call).HasField("chunk")
+        runner.lost = True
+        err = _error(lambda: list(call))
+        assert err.code() is grpc.StatusCode.UNAVAILABLE and "executor" in (err.details() or "")
+        assert not stub.HealthCheck(pb.HealthCheckRequest(), timeout=TIMEOUT).healthy
+        _wait_health(ch, SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert engine.wait_idle(TIMEOUT)
 
 
 def _wait_health(channel: grpc.Channel, service: str, want: int) -> None:
     """grpc.health.v1 follows the executor within the monitor's refresh period: poll it, bounded."""
     health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + TIMEOUT
-    while health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT).status != want:
-        assert time.monotonic() < deadline, f"{service!r} never reached status {want}"
-        time.sleep(0.1)
+
+    def reached() -> bool:
+        return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT).status == want
+
+    wait_for(reached, TIMEOUT, f"{service!r} reaching status {want}")

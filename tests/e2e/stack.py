@@ -25,6 +25,8 @@ from typing import IO, TypeVar
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from tests.helpers import smg_request
+
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 240.0  # several processes import torch on a shared CPU
 EXIT_TIMEOUT = 90.0
@@ -106,18 +108,7 @@ def greedy_request(
     ids: list[int], max_new_tokens: int, request_id: str = "", stream: bool = False, ignore_eos: bool = True
 ) -> pb.GenerateRequest:
     """A greedy ``GenerateRequest`` with every sampling field set explicitly, as smg sends them."""
-    params = pb.SamplingParams(
-        temperature=0.0,
-        top_p=1.0,
-        top_k=-1,
-        repetition_penalty=1.0,
-        n=1,
-        max_new_tokens=max_new_tokens,
-        ignore_eos=ignore_eos,
-    )
-    return pb.GenerateRequest(
-        request_id=request_id, tokenized=pb.TokenizedInput(input_ids=ids), sampling_params=params, stream=stream
-    )
+    return smg_request(ids, request_id, stream, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
 
 
 def prometheus_samples(url: str, timeout: float = 10.0) -> dict[str, float]:

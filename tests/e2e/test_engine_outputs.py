@@ -18,32 +18,19 @@ from engine.engine import Engine
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.stop import FinishReason
-
-
-def _prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+from tests.helpers import assert_engine_baseline, length_outputs, random_prompts
 
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    outs = engine.generate_batch(prompts, params)
-    assert all(o.finish is not None and o.finish.reason is FinishReason.LENGTH for o in outs)
-    return [list(o.output_ids or ()) for o in outs]
-
-
 def _alone(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    return [_run(engine, [p], [s])[0] for p, s in zip(prompts, params, strict=True)]
+    return [length_outputs(engine, [p], [s])[0] for p, s in zip(prompts, params, strict=True)]
 
 
 def _assert_baseline(engine: Engine) -> None:
-    assert engine.wait_idle(60)
-    s = engine.stats()
-    assert s.free_pages + s.evictable_pages == s.total_pages, s
-    assert s.reserved_pages == 0 and s.free_slots == s.total_slots and s.inflight_steps == 0, s
+    assert_engine_baseline(engine, 60)
     assert isinstance(engine.runner, ModelRunner) and engine.runner.num_buffers == 0
     if engine.scheduler.cache is not None:
         engine.scheduler.cache.check_invariants()
@@ -63,14 +50,14 @@ def engine(base_config: EngineConfig) -> Iterator[Engine]:
 @pytest.fixture(scope="module")
 def batch32(engine: Engine) -> tuple[list[list[int]], list[SamplingParams], list[list[int]]]:
     """32 prompts of mixed lengths (some longer than the chunk size), their params and solo outputs."""
-    prompts = _prompts(32, 3, 150, engine.info.vocab_size, seed=1)
+    prompts = random_prompts(32, 3, 150, engine.info.vocab_size, seed=1)
     params = [_greedy(4 + (i * 7) % 21) for i in range(32)]
     return prompts, params, _alone(engine, prompts, params)
 
 
 def test_batch_of_32_matches_alone(engine: Engine, batch32: tuple) -> None:
     prompts, params, alone = batch32
-    assert _run(engine, prompts, params) == alone
+    assert length_outputs(engine, prompts, params) == alone
     _assert_baseline(engine)
 
 
@@ -87,22 +74,22 @@ def test_batch_of_32_matches_alone(engine: Engine, batch32: tuple) -> None:
 def test_variants_match(base_config: EngineConfig, batch32: tuple, change: dict) -> None:
     prompts, params, alone = batch32
     with Engine(replace(base_config, **change)) as other:
-        assert _run(other, prompts, params) == alone
+        assert length_outputs(other, prompts, params) == alone
         _assert_baseline(other)
 
 
 def test_seeded_sampling_same_whatever_the_batch(engine: Engine) -> None:
-    prompts = _prompts(12, 5, 40, engine.info.vocab_size, seed=2)
+    prompts = random_prompts(12, 5, 40, engine.info.vocab_size, seed=2)
     params = [
         SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=100 + i, max_new_tokens=12, ignore_eos=True)
         for i in range(12)
     ]
     alone = _alone(engine, prompts, params)
-    together = _run(engine, prompts, params)
-    reversed_batch = _run(engine, prompts[::-1], params[::-1])[::-1]
+    together = length_outputs(engine, prompts, params)
+    reversed_batch = length_outputs(engine, prompts[::-1], params[::-1])[::-1]
     assert together == alone == reversed_batch
     # and it is really sampling: different seeds give different continuations for the same prompt
-    other = _run(engine, [prompts[0]] * 2, [replace(params[0], seed=7), replace(params[0], seed=8)])
+    other = length_outputs(engine, [prompts[0]] * 2, [replace(params[0], seed=7), replace(params[0], seed=8)])
     assert other[0] != other[1]
 
 
@@ -113,7 +100,7 @@ def test_shared_prefix_prefills_only_new_tokens(engine: Engine) -> None:
     first = [*prefix, 11, 12, 13]
     second = [*prefix, 21, 22, 23, 24, 25]
     before = engine.stats().prefill_tokens
-    _run(engine, [first], [_greedy(4)])
+    length_outputs(engine, [first], [_greedy(4)])
     middle = engine.stats().prefill_tokens
     out = engine.generate_batch([second], [_greedy(4)])[0]
     after = engine.stats().prefill_tokens
@@ -123,18 +110,18 @@ def test_shared_prefix_prefills_only_new_tokens(engine: Engine) -> None:
 
 
 def test_64_requests_through_a_pool_for_8(base_config: EngineConfig, engine: Engine) -> None:
-    prompts = _prompts(64, 20, 60, engine.info.vocab_size, seed=4)
+    prompts = random_prompts(64, 20, 60, engine.info.vocab_size, seed=4)
     params = [_greedy(8 + i % 9) for i in range(64)]
     alone = _alone(engine, prompts, params)
     # each request needs at most ceil((60 + 16) / 8) = 10 pages: 80 pages fit about 8 at once
     small = replace(base_config, num_pages=80, page_size=8)
     with Engine(small) as tight:
-        assert _run(tight, prompts, params) == alone
+        assert length_outputs(tight, prompts, params) == alone
         _assert_baseline(tight)
 
 
 def test_async_stream_and_abort(engine: Engine) -> None:
-    prompt = _prompts(1, 10, 10, engine.info.vocab_size, seed=5)[0]
+    prompt = random_prompts(1, 10, 10, engine.info.vocab_size, seed=5)[0]
 
     async def scenario() -> tuple[list[int], FinishReason | None, list[int]]:
         streamed: list[int] = []

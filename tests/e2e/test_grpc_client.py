@@ -6,12 +6,10 @@ must leave the engine at its baseline: no request running, no KV page held, no s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
@@ -19,7 +17,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from services.scheduler.server import ThreadedServer
+from tests.e2e.stack import wait_for_idle_load
+from tests.helpers import assert_engine_baseline, serve_scheduler, smg_request
 
 TIMEOUT = 30.0
 # max_new_tokens of requests that are aborted or cancelled long before they end. A request that was not stopped
@@ -36,22 +35,13 @@ def engine(embedded_model_dir: Path) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def stub(engine: Engine) -> Iterator[pb_grpc.SglangSchedulerStub]:
-    with ThreadedServer(engine) as server:
-        port = server.start()
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield pb_grpc.SglangSchedulerStub(channel)
+    with serve_scheduler(engine) as channel:
+        yield pb_grpc.SglangSchedulerStub(channel)
 
 
 def _request(ids: list[int], rid: str = "", stream: bool = False, **fields: Any) -> pb.GenerateRequest:
     logprobs = fields.pop("top_logprobs_num", None)
-    params: dict[str, Any] = dict(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=1, ignore_eos=True)
-    params.update(fields)
-    request = pb.GenerateRequest(
-        request_id=rid,
-        tokenized=pb.TokenizedInput(input_ids=ids),
-        sampling_params=pb.SamplingParams(**params),
-        stream=stream,
-    )
+    request = smg_request(ids, rid, stream, **{"ignore_eos": True, **fields})
     if logprobs is not None:
         request.return_logprob = True
         request.top_logprobs_num = logprobs
@@ -67,18 +57,9 @@ def _split(responses: list[pb.GenerateResponse]) -> tuple[list[pb.GenerateStream
 def _assert_baseline(engine: Engine, stub: pb_grpc.SglangSchedulerStub, steps_before: int) -> None:
     """Bounded wait until GetLoads shows nothing running or held, then check the engine's own accounting and
     that the long request stopped early instead of running to its end."""
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        load = stub.GetLoads(pb.GetLoadsRequest(), timeout=TIMEOUT).loads[0]
-        if (load.num_running_reqs, load.num_waiting_reqs, load.num_used_tokens) == (0, 0, 0):
-            break
-        assert time.monotonic() < deadline, f"engine never went back to baseline: {load}"
-        time.sleep(0.05)
-    assert engine.wait_idle(TIMEOUT)
-    s = engine.stats()
-    assert s.free_pages + s.evictable_pages == s.total_pages, s
-    assert s.reserved_pages == 0 and s.free_slots == s.total_slots and s.inflight_steps == 0, s
-    assert s.steps - steps_before < LONG // 2, "the request was not stopped"
+    wait_for_idle_load(stub, TIMEOUT)
+    assert_engine_baseline(engine, TIMEOUT)
+    assert engine.stats().steps - steps_before < LONG // 2, "the request was not stopped"
 
 
 def test_streaming_greedy_equals_the_in_process_engine(engine: Engine, stub: pb_grpc.SglangSchedulerStub) -> None:

@@ -6,19 +6,12 @@ ends every request it held with an executor abort (no hang), after which a resta
 
 from __future__ import annotations
 
-import os
-import queue
-import random
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
-from typing import IO
 
 import grpc
 import pytest
@@ -33,8 +26,9 @@ from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor.server import ExecutorThread
 from services.remote_runner import RemoteRunner
+from tests.e2e.stack import ExecutorProcess, wait_for
+from tests.helpers import assert_engine_baseline, length_outputs, random_prompts
 
-ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60.0
 
 Workload = tuple[list[list[int]], list[SamplingParams], list[list[int]]]
@@ -48,8 +42,7 @@ def config(embedded_model_dir: Path) -> EngineConfig:
 @pytest.fixture(scope="module")
 def workload(config: EngineConfig) -> Workload:
     """16 greedy requests of mixed lengths (about half longer than the chunk size) and their in-process outputs."""
-    rng = random.Random(7)
-    prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(3, 90))] for _ in range(16)]
+    prompts = random_prompts(16, 3, 90, 2000, seed=7)
     params = [SamplingParams(temperature=0.0, max_new_tokens=4 + (i * 5) % 13, ignore_eos=True) for i in range(16)]
     with Engine(config) as local:
         expected = _outputs(local, prompts, params)
@@ -71,9 +64,7 @@ def executor(runner: ModelRunner) -> Iterator[str]:
 
 
 def _outputs(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    outs = engine.generate_batch(prompts, params, timeout=WAIT_S)
-    assert all(o.finish is not None and o.finish.reason is FinishReason.LENGTH for o in outs), outs
-    return [list(o.output_ids or ()) for o in outs]
+    return length_outputs(engine, prompts, params, timeout=WAIT_S)
 
 
 def _executor_buffers(target: str) -> int:
@@ -82,10 +73,7 @@ def _executor_buffers(target: str) -> int:
 
 
 def _assert_baseline(engine: Engine, target: str) -> None:
-    assert engine.wait_idle(WAIT_S)
-    s = engine.stats()
-    assert s.free_pages + s.evictable_pages == s.total_pages, s
-    assert s.reserved_pages == 0 and s.free_slots == s.total_slots and s.inflight_steps == 0, s
+    assert_engine_baseline(engine, WAIT_S)
     assert _executor_buffers(target) == 0
 
 
@@ -117,10 +105,7 @@ def test_executor_restarted_while_idle(config: EngineConfig, workload: Workload,
             assert _outputs(engine, prompts[:4], params[:4]) == expected[:4]
             assert engine.stats().evictable_pages > 0  # the prompts are cached
             server.stop()
-            deadline = time.monotonic() + WAIT_S
-            while not remote.session_lost and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert remote.session_lost
+            wait_for(lambda: remote.session_lost, WAIT_S, "the remote runner noticing the lost session")
             server = ExecutorThread(runner, port=int(target.rsplit(":", 1)[1]))
             (first,) = engine.generate_batch(prompts[:1], params[:1], timeout=WAIT_S)
             assert first.finish is not None and first.finish.cause is None, first
@@ -132,59 +117,15 @@ def test_executor_restarted_while_idle(config: EngineConfig, workload: Workload,
         server.stop()
 
 
-class ExecutorProcess:
-    """``python -m services.executor`` as a child process; ready once it prints its port."""
-
-    def __init__(self, config: EngineConfig, port: int, log_path: Path) -> None:
-        assert config.model_path is not None
-        args = ["--model", config.model_path, "--page-size", str(config.page_size)]
-        args += ["--num-pages", str(config.num_pages), "--port", str(port)]
-        self._log = log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.executor", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-        stdout = self.proc.stdout
-        assert stdout is not None
-        threading.Thread(target=_pump, args=(stdout, lines), daemon=True).start()
-        self.port = self._wait_ready(lines)
-
-    def _wait_ready(self, lines: queue.SimpleQueue[str]) -> int:
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line.startswith("EXECUTOR_READY port="):
-                return int(line.strip().split("=", 1)[1])
-        self.kill()
-        raise AssertionError("the executor process did not get ready")
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(WAIT_S)
-        self._log.close()
-
-    def terminate(self) -> int:
-        self.proc.terminate()
-        code = self.proc.wait(WAIT_S)
-        self._log.close()
-        return code
+def _executor_process(config: EngineConfig, port: int, log_path: Path) -> ExecutorProcess:
+    """``python -m services.executor`` serving ``config``'s model and KV pool as a child process."""
+    assert config.model_path is not None
+    return ExecutorProcess(Path(config.model_path), config.page_size, config.num_pages, port, log_path)
 
 
 def test_executor_killed_mid_run_then_restarted(config: EngineConfig, workload: Workload, tmp_path: Path) -> None:
     prompts, params, expected = workload
-    first = ExecutorProcess(config, 0, tmp_path / "executor.log")
+    first = _executor_process(config, 0, tmp_path / "executor.log")
     second: ExecutorProcess | None = None
     try:
         remote = RemoteRunner.connect(first.target, timeout=WAIT_S)
@@ -204,8 +145,8 @@ def test_executor_killed_mid_run_then_restarted(config: EngineConfig, workload: 
             assert s.free_pages == s.total_pages and s.reserved_pages == 0 and s.free_slots == s.total_slots, s
 
             old_instance = remote.instance_id
-            second = ExecutorProcess(config, first.port, tmp_path / "executor.log")  # the same address
-            assert _eventually(remote.healthy)  # the channel's reconnect backoff is at most a second
+            second = _executor_process(config, first.port, tmp_path / "executor.log")  # the same address
+            wait_for(remote.healthy, 10.0, "the runner healthy again")  # reconnect backoff is at most a second
             assert _outputs(engine, prompts, params) == expected  # the lost prefix cache was not reused
             assert remote.instance_id != old_instance
             _assert_baseline(engine, second.target)
@@ -229,16 +170,3 @@ def _submit_long(engine: Engine, prompt: list[int], started: threading.Event) ->
 
     engine.submit(prompt, SamplingParams(temperature=0.0, max_new_tokens=500, ignore_eos=True), sink)
     return final
-
-
-def _eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-    return True
-
-
-def _pump(stream: IO[str], lines: queue.SimpleQueue[str]) -> None:
-    for line in stream:
-        lines.put(line)
