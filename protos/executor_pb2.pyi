@@ -85,7 +85,7 @@ class NewRequest(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class StepEntry(_message.Message):
-    __slots__ = ("request_id", "slot", "ordinal", "start_pos", "input_ids", "input_ref", "page_table", "sample", "new")
+    __slots__ = ("request_id", "slot", "ordinal", "start_pos", "input_ids", "input_ref", "page_table", "sample", "new", "constrained")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class StepEntry(_message.Message):
     PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     NEW_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     slot: int
     ordinal: int
@@ -104,7 +105,8 @@ class StepEntry(_message.Message):
     page_table: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
     new: NewRequest
-    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., ordinal: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., input_ref: _Optional[bool] = ..., page_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., new: _Optional[_Union[NewRequest, _Mapping]] = ...) -> None: ...
+    constrained: bool
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., ordinal: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., input_ref: _Optional[bool] = ..., page_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., new: _Optional[_Union[NewRequest, _Mapping]] = ..., constrained: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "entries")
@@ -137,20 +139,22 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("request_id", "ordinal", "token_id", "logprob", "top_logprobs", "has_top_logprobs")
+    __slots__ = ("request_id", "ordinal", "token_id", "logprob", "top_logprobs", "has_top_logprobs", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ordinal: int
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     has_top_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., ordinal: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., has_top_logprobs: _Optional[bool] = ...) -> None: ...
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., ordinal: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., has_top_logprobs: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "samples", "forward_seconds")

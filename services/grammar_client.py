@@ -5,10 +5,15 @@ xgrammar's layout, ready for the sampler. A per-entry refusal (a stale commit, a
 bad grammar) is a value in the result list, never an exception: one bad entry must not cost the others.
 Only a failure of the whole call (the service is unreachable, the call's deadline passed) raises
 ``grpc.RpcError``.
+
+:class:`RemoteGrammar` is the engine's view of the service (a :class:`~engine.grammar.backend.GrammarBackend`):
+the scheduler's engine opens, commits and releases through it, the executor's mask fetcher fills masks through
+another one, both against the same service.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -29,6 +34,8 @@ from engine.grammar import (
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
+
+log = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", 64 << 20),
@@ -144,6 +151,11 @@ class GrammarClient:
     def close(self) -> None:
         self._channel.close()
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the channel is connected (the service may still be starting); raises
+        ``grpc.FutureTimeoutError`` after ``timeout_s``."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+
     def open(self, entries: Sequence[tuple[str, Constraint]], deadline_s: float | None = None) -> list[OpenOutcome]:
         """Compile and open ``(request_id, constraint)`` pairs; ``deadline_s`` bounds the compiles (None: server's)."""
         reply = self._stub.Open(_open_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
@@ -213,3 +225,93 @@ class AsyncGrammarClient:
 
     async def get_state(self) -> GrammarServiceState:
         return _state(await self._stub.GetState(pb.StateRequest(), timeout=self._timeout_s))
+
+
+class GrammarServiceError(RuntimeError):
+    """The grammar service cannot be used: unreachable at start, or built for another vocabulary."""
+
+
+class RemoteGrammar:
+    """The grammar service as the engine's :class:`~engine.grammar.backend.GrammarBackend`, over a blocking client.
+
+    Batched like the engine's calls: one Open per request (from the engine's compile threads), one Commit and one
+    FillMasks per step. A failure of a whole call must cost only the constrained requests, never the engine loop:
+    ``open`` raises (that request ends alone), ``fill_masks`` raises (the mask fetcher fails that step's
+    constrained rows), ``commit`` answers every entry INTERNAL (each constrained request ends with a grammar
+    abort) and ``release`` only logs (the grammars died with the service anyway).
+    """
+
+    def __init__(self, client: GrammarClient, open_deadline_s: float | None = None) -> None:
+        """``open_deadline_s`` bounds each compile (None: the service's default)."""
+        self._client = client
+        self._open_deadline_s = open_deadline_s
+
+    @classmethod
+    def connect(
+        cls,
+        target: str,
+        timeout_s: float = 60.0,
+        vocab_size: int | None = None,
+        open_deadline_s: float | None = None,
+    ) -> RemoteGrammar:
+        """Wait (at most ``timeout_s``) until the service at ``target`` answers. With ``vocab_size``, refuse a
+        service whose masks would not cover exactly that many logits (another model's tokenizer)."""
+        client = GrammarClient(target)
+        try:
+            client.wait_ready(timeout_s)
+            state = client.get_state()
+        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+            client.close()
+            raise GrammarServiceError(f"grammar service at {target} did not answer within {timeout_s:.0f}s") from exc
+        if vocab_size is not None and state.vocab_size != vocab_size:
+            client.close()
+            raise GrammarServiceError(
+                f"grammar service at {target} masks a vocabulary of {state.vocab_size} tokens but the model has "
+                f"{vocab_size}: start it with the same --model"
+            )
+        return cls(client, open_deadline_s)
+
+    @property
+    def client(self) -> GrammarClient:
+        return self._client
+
+    def open(self, request_id: str, constraint: Constraint) -> None:
+        """Compile and open; raises the entry's error (InvalidGrammarError carries xgrammar's reason)."""
+        (outcome,) = self._client.open([(request_id, constraint)], self._open_deadline_s)
+        if outcome.error is not None:
+            raise outcome.error
+
+    def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
+        if not entries:
+            return []
+        try:
+            return self._client.commit(entries)
+        except grpc.RpcError as exc:
+            message = f"grammar service unavailable: {_rpc_error(exc)}"
+            log.warning("grammar commit of %d entries failed: %s", len(entries), message)
+            return [CommitOutcome(None, Refusal.INTERNAL, message) for _ in entries]
+
+    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
+        return self._client.fill_masks(entries, deadline_s)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        if not request_ids:
+            return
+        try:
+            self._client.release(request_ids)
+        except grpc.RpcError as exc:
+            log.warning("grammar release of %d ids failed: %s", len(request_ids), _rpc_error(exc))
+
+    @property
+    def num_open(self) -> int:
+        """Grammars open in the service (an RPC: every client of the service counts)."""
+        return self._client.get_state().num_open
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _rpc_error(exc: grpc.RpcError) -> str:
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    return f"{code.name if code is not None else 'error'}: {details}"

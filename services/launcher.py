@@ -1,14 +1,16 @@
 """The ``ordinal`` command.
 
-``ordinal serve`` starts the whole stack on this machine, each service as its own process: the executor (model,
-KV pool, forward), the scheduler (SGLang's public ``SglangScheduler`` gRPC API, pointed at the executor) and,
-unless ``--no-gateway``, the ``smg`` gateway (an OpenAI-compatible HTTP API in front of the scheduler). It waits
-until each one is ready, prints the endpoints and a curl example, and stops everything on Ctrl-C or SIGTERM. A
-service that dies is reported (name, exit code, last lines of its stderr) and the launcher exits non-zero.
+``ordinal serve`` starts the whole stack on this machine, each service as its own process: the grammar service
+(compiled grammars and one matcher per constrained request), the executor (model, KV pool, forward; it fetches
+grammar masks from the grammar service), the scheduler (SGLang's public ``SglangScheduler`` gRPC API, pointed at
+the executor and the grammar service) and, unless ``--no-gateway``, the ``smg`` gateway (an OpenAI-compatible HTTP
+API in front of the scheduler). It starts them in that order, each once the one before is ready, prints the
+endpoints and a curl example, and stops everything on Ctrl-C or SIGTERM. A service that dies is reported (name,
+exit code, last lines of its stderr) and the launcher exits non-zero.
 
-The other subcommands run one piece each: ``executor``, ``scheduler`` and ``gateway`` (what docker-compose runs
-in its containers), ``healthcheck`` (a grpc.health.v1 or HTTP probe) and ``generate`` (the in-process engine on
-one prompt, no services: the quickest check that a model loads and generates).
+The other subcommands run one piece each: ``grammar``, ``executor``, ``scheduler`` and ``gateway`` (what
+docker-compose runs in its containers), ``healthcheck`` (a grpc.health.v1 or HTTP probe) and ``generate`` (the
+in-process engine on one prompt, no services: the quickest check that a model loads and generates).
 
 ``add_engine_args`` / ``engine_config`` are shared with the services, so that every process takes the same
 engine flags spelled the same way.
@@ -47,6 +49,7 @@ if TYPE_CHECKING:  # engine modules import torch (seconds): only the subcommands
 SAMPLE_PROMPT = "Write a JSON object that describes a small cat."
 DEFAULT_PORT = 30000
 DEFAULT_EXECUTOR_PORT = 30001
+DEFAULT_GRAMMAR_PORT = 30002
 DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_METRICS_PORT = 29000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # logging's names; lower case is accepted too
@@ -101,6 +104,14 @@ def _add_engine_tuning_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-running", type=int, default=defaults.max_running, help="requests admitted at once")
     sched.add_argument("--chunk-size", type=int, default=defaults.chunk_size, help="max prefill tokens per step")
     sched.add_argument("--no-overlap", action="store_true", help="commit step N before launching N+1")
+    sched.add_argument(
+        "--grammar-overlap",
+        choices=["on", "off"],
+        default="on" if defaults.grammar_overlap else "off",
+        help="on: constrained requests stay overlapped (the executor waits for each step's fenced grammar masks "
+        "while the forward runs); off: the scheduler commits before launching a constrained step and the executor "
+        "never waits (executor and scheduler must agree)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -116,6 +127,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunk_size=args.chunk_size,
         overlap=not args.no_overlap,
         prefix_cache=not args.no_prefix_cache,
+        grammar_overlap=args.grammar_overlap == "on",
     )
 
 
@@ -134,6 +146,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         str(args.max_running),
         "--chunk-size",
         str(args.chunk_size),
+        "--grammar-overlap",
+        args.grammar_overlap,
     ]
     if args.no_overlap:
         argv.append("--no-overlap")
@@ -145,10 +159,11 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 # ==================================================================================================== the parser
 
 _SERVE_EPILOG = """\
-ports: the scheduler's gRPC API is --port; the executor listens on --executor-port (internal: only the
-scheduler talks to it); the gateway's OpenAI API is --gateway-port. Metrics: scheduler on --metrics-port,
-executor on --metrics-port + 1, gateway on --metrics-port + 2 (0 turns ordinal's metrics off). A port of 0 for
---port or --executor-port lets the service pick a free one (printed once it is ready).
+ports: the scheduler's gRPC API is --port; the executor listens on --executor-port and the grammar service on
+--grammar-port (both internal: only the scheduler and the executor talk to them); the gateway's OpenAI API is
+--gateway-port. Metrics: scheduler on --metrics-port, executor on --metrics-port + 1, gateway on --metrics-port + 2
+(0 turns ordinal's metrics off). A port of 0 for --port, --executor-port or --grammar-port lets the service pick a
+free one (printed once it is ready).
 
 examples:
   ordinal serve                                    # embedded tiny model, gateway on http://127.0.0.1:8000/v1
@@ -158,6 +173,7 @@ examples:
 
 # Subcommands that hand their whole command line to another program.
 _PASSTHROUGH = {
+    "grammar": "the grammar service alone (same flags as `python -m services.grammar`)",
     "executor": "the executor service alone (same flags as `python -m services.executor`)",
     "scheduler": "the scheduler service alone (same flags as `python -m services.scheduler`)",
 }
@@ -181,9 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser(
         "serve",
-        help="start executor, scheduler and gateway on this machine and wait until all are ready",
-        description="Start the whole stack on this machine: the executor, the scheduler and (unless --no-gateway)\n"
-        "the smg gateway, each as its own process. Prints the endpoints once all are ready; Ctrl-C stops them.",
+        help="start grammar service, executor, scheduler and gateway on this machine and wait until all are ready",
+        description="Start the whole stack on this machine: the grammar service, the executor, the scheduler and\n"
+        "(unless --no-gateway) the smg gateway, each as its own process. Prints the endpoints once all are ready;\n"
+        "Ctrl-C stops them.",
         epilog=_SERVE_EPILOG,
         formatter_class=_HelpFormatter,
     )
@@ -191,6 +208,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     net.add_argument("--host", default="127.0.0.1", help="address every service binds (0.0.0.0: all interfaces)")
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help="the scheduler's public gRPC port")
     net.add_argument("--executor-port", type=int, default=DEFAULT_EXECUTOR_PORT, help="the executor's gRPC port")
+    net.add_argument("--grammar-port", type=int, default=DEFAULT_GRAMMAR_PORT, help="the grammar service's gRPC port")
     net.add_argument("--gateway-port", type=int, default=DEFAULT_GATEWAY_PORT, help="the OpenAI HTTP API port")
     net.add_argument("--no-gateway", action="store_true", help="do not start the smg gateway (gRPC only)")
     _add_model_args(serve).add_argument(
@@ -323,6 +341,7 @@ class Endpoints:
     host: str
     scheduler_port: int
     executor_port: int
+    grammar_port: int
     gateway_url: str | None
     model_id: str | None
     metrics: dict[str, str]
@@ -333,6 +352,7 @@ class Endpoints:
         parts = [
             f"scheduler={_hostport(self.host, self.scheduler_port)}",
             f"executor={_hostport(self.host, self.executor_port)}",
+            f"grammar={_hostport(self.host, self.grammar_port)}",
         ]
         if self.gateway_url:
             parts.append(f"gateway={self.gateway_url}")
@@ -341,7 +361,7 @@ class Endpoints:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Start executor, scheduler and gateway; block until a signal or a service dies. Returns the exit code."""
+    """Start grammar, executor, scheduler and gateway; block until a signal or a service dies. The exit code."""
     _check_ports(args)
     smg = None if args.no_gateway else find_smg()  # before anything starts: a missing gateway is a usage error
     model_dir = _model_dir(args.model)
@@ -368,7 +388,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _check_ports(args: argparse.Namespace) -> None:
-    for flag in ("port", "executor_port", "gateway_port", "metrics_port"):
+    for flag in ("port", "executor_port", "grammar_port", "gateway_port", "metrics_port"):
         value = getattr(args, flag)
         if not 0 <= value <= 65535:
             raise SystemExit(f"ordinal serve: --{flag.replace('_', '-')} must be in [0, 65535], got {value}")
@@ -397,15 +417,20 @@ def _metrics_ports(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg: str | None) -> Endpoints:
-    """Executor, then scheduler, then gateway: each started only once the one before it is ready."""
+    """Grammar, executor, scheduler, gateway: each started only once the one before it is ready."""
     local = _connect_host(args.host)
     metrics = _metrics_ports(args)
-    common = ["--host", args.host, "--model", str(model_dir), *engine_argv(args), "--log-level", args.log_level]
+    model = ["--host", args.host, "--model", str(model_dir), "--log-level", args.log_level]
+    common = [*model, *engine_argv(args)]
 
-    executor_argv = [*common, "--port", str(args.executor_port), "--metrics-port", str(metrics["executor"])]
+    grammar_argv = [*model, "--port", str(args.grammar_port)]
+    grammar_port = _start_grpc_service(sup, "grammar", grammar_argv, local, args.startup_timeout)
+    grammar = ["--grammar", _hostport(local, grammar_port)]
+
+    executor_argv = [*common, *grammar, "--port", str(args.executor_port), "--metrics-port", str(metrics["executor"])]
     executor_port = _start_grpc_service(sup, "executor", executor_argv, local, args.startup_timeout)
 
-    scheduler_argv = [*common, "--port", str(args.port), "--executor", _hostport(local, executor_port)]
+    scheduler_argv = [*common, *grammar, "--port", str(args.port), "--executor", _hostport(local, executor_port)]
     scheduler_argv += ["--metrics-port", str(metrics["scheduler"])]
     if args.served_model_name:
         scheduler_argv += ["--served-model-name", args.served_model_name]
@@ -430,6 +455,7 @@ def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg
         host=local,
         scheduler_port=scheduler_port,
         executor_port=executor_port,
+        grammar_port=grammar_port,
         gateway_url=gateway_url,
         model_id=model_id,
         metrics={name: f"http://{_hostport(local, port)}/metrics" for name, port in metrics.items() if port},
@@ -468,8 +494,10 @@ def _free_port(host: str) -> int:
 def _banner(ep: Endpoints, model_dir: Path) -> str:
     lines = ["", f"ordinal is serving {ep.model_id or model_dir.name}  (model folder: {model_dir})", ""]
     scheduler, executor = _hostport(ep.host, ep.scheduler_port), _hostport(ep.host, ep.executor_port)
+    grammar = _hostport(ep.host, ep.grammar_port)
     lines.append(f"  scheduler  gRPC SglangScheduler  {scheduler}   (pid {ep.pids['scheduler']})")
     lines.append(f"  executor   gRPC (internal)       {executor}   (pid {ep.pids['executor']})")
+    lines.append(f"  grammar    gRPC (internal)       {grammar}   (pid {ep.pids['grammar']})")
     if ep.gateway_url:
         lines.append(f"  gateway    OpenAI HTTP API       {ep.gateway_url}   (pid {ep.pids['gateway']})")
     for name, url in ep.metrics.items():

@@ -2,6 +2,11 @@
 
 The launcher waits for that line on stdout. SIGTERM or SIGINT stops the server (the open session ends and
 its buffers are dropped), then the runner. ``--metrics-port`` serves Prometheus metrics (0 = off).
+
+``--grammar HOST:PORT`` names the grammar service the constrained rows' fenced masks come from (the scheduler
+must use the same one); without it a step with a constrained entry is refused. ``--grammar-overlap off`` (shared
+with the scheduler) makes the executor take masks without waiting at the fence: the scheduler then commits every
+token before launching a step that needs it.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from engine.config import EngineConfig
-from engine.runner import ModelRunner
+from engine.grammar.compiler import model_vocab_size
+from engine.runner import ModelRunner, model_dir
 from services.executor.server import start_executor
+from services.grammar_client import GrammarServiceError, RemoteGrammar
 from services.launcher import add_engine_args, engine_config
 from services.metrics import ExecutorMetrics, serve_metrics
 
@@ -35,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one")
     parser.add_argument("--cache-dir", default=None, help="where the embedded default model is built")
+    parser.add_argument(
+        "--grammar",
+        default=None,
+        metavar="HOST:PORT",
+        help="the grammar service constrained requests take their masks from (default: none, constrained steps "
+        "are refused)",
+    )
+    parser.add_argument(
+        "--grammar-timeout", type=float, default=60.0, help="seconds to wait for the grammar service at start"
+    )
     return parser
 
 
@@ -53,10 +70,24 @@ async def serve(runner: ModelRunner, host: str, port: int, metrics: ExecutorMetr
     await executor.stop(grace=2.0)
 
 
+def connect_grammar(args: argparse.Namespace, config: EngineConfig) -> RemoteGrammar | None:
+    """The grammar service of ``--grammar``, checked to mask exactly the model's vocabulary (config.json's
+    ``vocab_size``, the lm_head width); None without the flag."""
+    if args.grammar is None:
+        return None
+    try:
+        vocab = model_vocab_size(model_dir(config))
+        return RemoteGrammar.connect(args.grammar, args.grammar_timeout, vocab_size=vocab)
+    except GrammarServiceError as exc:
+        raise SystemExit(f"executor: {exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runner = ModelRunner.load(executor_config(args))
+    config = executor_config(args)
+    grammar = connect_grammar(args, config)
+    runner = ModelRunner.load(config, grammar)
     metrics = ExecutorMetrics()
     metrics.watch_buffers(lambda: runner.num_buffers)
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
@@ -64,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(serve(runner, args.host, args.port, metrics))
     finally:
         runner.shutdown()
+        if grammar is not None:
+            grammar.close()
         if metrics_server is not None:
             metrics_server.close()
     return 0

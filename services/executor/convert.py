@@ -4,7 +4,7 @@ Every field of the step values round-trips exactly, with two deliberate exceptio
 ``no_stop_trim``) are matched by the scheduler on text and do not travel, and seeds travel as 64-bit
 patterns (the sampler uses only a seed's low 64 bits, so a seed outside the signed 64-bit range comes back
 as the equal-in-effect value inside it). Proto3 defaults are not semantic defaults: fields whose "unset"
-differs from zero (seed, logprob, top logprobs, the new-request part of an entry) use presence.
+differs from zero (seed, logprob, top logprobs, the new-request part of an entry, a sample's error) use presence.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ def entry_to_proto(entry: StepEntry) -> pb.StepEntry:
         input_ref=entry.input_ref,
         page_table=entry.page_table,
         sample=entry.sample,
+        constrained=entry.constrained,
     )
     if entry.new is not None:
         msg.new.CopyFrom(new_request_to_proto(entry.new))
@@ -140,6 +141,7 @@ def entry_from_proto(msg: pb.StepEntry) -> StepEntry:
         page_table=tuple(msg.page_table),
         sample=msg.sample,
         new=new_request_from_proto(msg.new) if msg.HasField("new") else None,
+        constrained=msg.constrained,
     )
 
 
@@ -161,6 +163,8 @@ def sample_to_proto(sample: SampledToken) -> pb.SampledToken:
     if sample.top_logprobs is not None:
         msg.has_top_logprobs = True
         msg.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in sample.top_logprobs)
+    if sample.error is not None:
+        msg.error = sample.error
     return msg
 
 
@@ -172,6 +176,7 @@ def sample_from_proto(msg: pb.SampledToken) -> SampledToken:
         token_id=msg.token_id,
         logprob=msg.logprob if msg.HasField("logprob") else None,
         top_logprobs=top,
+        error=msg.error if msg.HasField("error") else None,
     )
 
 

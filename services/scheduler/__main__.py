@@ -3,6 +3,11 @@
 Without ``--executor`` the executor runs in this process (the model is loaded here); with ``--executor
 HOST:PORT`` the scheduler drives a remote executor service. Prints ``SCHEDULER_READY port=<port>`` once
 serving; SIGTERM or SIGINT stops it cleanly. ``--metrics-port`` serves Prometheus metrics (0 = off).
+
+Constrained decoding: ``--grammar HOST:PORT`` opens, commits and releases every constrained request's grammar in
+that grammar service (a remote executor must be started with the same one). Without it an in-process executor
+gets an in-process grammar registry; a remote executor without a grammar service cannot serve constraints, and
+constrained requests are refused.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.runner import StepRunner
+from engine.grammar.compiler import model_vocab_size
+from engine.runner import StepRunner, model_dir
+from services.grammar_client import GrammarServiceError, RemoteGrammar
 from services.launcher import DEFAULT_PORT, add_engine_args, engine_config
 from services.metrics import SchedulerMetrics, serve_metrics
 from services.scheduler.server import SchedulerServer
@@ -31,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind; 0 picks a free one")
     parser.add_argument("--executor", default=None, metavar="HOST:PORT", help="remote executor; default: in-process")
     parser.add_argument("--executor-timeout", type=float, default=60.0, help="seconds to wait for the executor")
+    parser.add_argument(
+        "--grammar",
+        default=None,
+        metavar="HOST:PORT",
+        help="grammar service for constrained requests; default: in-process with an in-process executor, none "
+        "(constraints refused) with a remote one",
+    )
+    parser.add_argument(
+        "--grammar-timeout", type=float, default=60.0, help="seconds to wait for the grammar service at start"
+    )
     parser.add_argument(
         "--served-model-name",
         default=None,
@@ -50,8 +68,19 @@ def _runner(args: argparse.Namespace) -> StepRunner | None:
     return runner
 
 
+def _grammar(args: argparse.Namespace, config: EngineConfig, runner: StepRunner | None) -> RemoteGrammar | None:
+    """The grammar service of ``--grammar``, checked to mask exactly the model's vocabulary; None without it."""
+    if args.grammar is None:
+        return None  # Engine builds an in-process grammar registry when it also loads the model itself
+    vocab = runner.info.vocab_size if runner is not None else model_vocab_size(model_dir(config))
+    try:
+        return RemoteGrammar.connect(args.grammar, args.grammar_timeout, vocab_size=vocab)
+    except GrammarServiceError as exc:
+        raise SystemExit(f"scheduler: {exc}") from None
+
+
 async def _serve(engine: Engine, args: argparse.Namespace) -> None:
-    server = SchedulerServer(engine, args.served_model_name, args.executor)
+    server = SchedulerServer(engine, args.served_model_name, args.executor, args.grammar)
     port = await server.start(args.host, args.port)
     print(f"SCHEDULER_READY port={port}", flush=True)
     stop = asyncio.Event()
@@ -66,13 +95,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = SchedulerMetrics()
-    engine = Engine(engine_config(args), _runner(args), observer=metrics)
+    config = engine_config(args)
+    runner = _runner(args)
+    grammar = _grammar(args, config, runner)
+    engine = Engine(config, runner, observer=metrics, grammar=grammar)
     metrics.watch(engine.stats)
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
     try:
         asyncio.run(_serve(engine, args))
     finally:
         engine.shutdown()
+        if grammar is not None:
+            grammar.close()
         if metrics_server is not None:
             metrics_server.close()
     return 0

@@ -9,6 +9,8 @@ Proto3 has no presence for plain scalars, so a zero can mean "unset" or "zero". 
   ``n`` is refused with a hint, since those zeros are never meaningful;
 - ``max_new_tokens`` is ``optional``: absent means "as many as fit", i.e. the context length minus the prompt,
   capped by what the KV pool can ever hold for one request (SGLang's semantics when a client gives none).
+- the ``constraint`` oneof (``json_schema``, ``regex``, ``ebnf_grammar``, ``structural_tag``) becomes an engine
+  :class:`~engine.grammar.Constraint`, its text verbatim; whether it compiles is the engine's to say.
 
 Field names in error details are the proto's (``sampling_params.top_p``, ``tokenized.input_ids``) so that a
 client can find what to fix.
@@ -28,6 +30,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.grammar.constraint import Constraint
 from engine.request import RequestOutput, TokenLogprob
 from engine.runner import ModelInfo
 from engine.sampling_params import SamplingParams
@@ -65,13 +68,17 @@ class ModelLimits:
 
 @dataclass(frozen=True)
 class GenerateSpec:
-    """A converted ``GenerateRequest``: ``n`` engine requests share the prompt and the params."""
+    """A converted ``GenerateRequest``: ``n`` engine requests share the prompt, the params and the constraint.
+
+    ``constraint_field`` names the ``constraint`` oneof field that was set (for error details)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     n: int
     stream: bool
+    constraint: Constraint | None = None
+    constraint_field: str | None = None
 
     def engine_ids(self) -> tuple[str, ...]:
         """Engine request ids: the public id itself, or ``<id>-<i>`` per sample when ``n`` > 1."""
@@ -101,8 +108,17 @@ def generate_spec(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateS
     sp = request.sampling_params if request.HasField("sampling_params") else None
     n = _num_samples(sp, limits)
     params = _sampling_params(request, sp, len(prompt), limits)
+    field, constraint = _constraint(sp)
     rid = request.request_id or uuid.uuid4().hex
-    return GenerateSpec(request_id=rid, prompt_ids=prompt, params=params, n=n, stream=request.stream)
+    return GenerateSpec(
+        request_id=rid,
+        prompt_ids=prompt,
+        params=params,
+        n=n,
+        stream=request.stream,
+        constraint=constraint,
+        constraint_field=field,
+    )
 
 
 def _prompt_ids(request: pb.GenerateRequest) -> tuple[int, ...]:
@@ -116,13 +132,29 @@ def _prompt_ids(request: pb.GenerateRequest) -> tuple[int, ...]:
     return ids
 
 
+def _constraint(sp: pb.SamplingParams | None) -> tuple[str | None, Constraint | None]:
+    """The ``constraint`` oneof as (field name, engine constraint); (None, None) when none is set."""
+    field = sp.WhichOneof("constraint") if sp is not None else None
+    if sp is None or field is None:
+        return None, None
+    try:
+        return field, Constraint.from_public_field(field, getattr(sp, field))
+    except InvalidRequestError as exc:  # e.g. an empty grammar: name the proto field, not the engine's
+        raise InvalidRequestError(field, exc.message) from None
+
+
+def invalid_grammar_details(field: str | None, message: str | None) -> str:
+    """INVALID_ARGUMENT details for a constraint xgrammar refused: the proto field, then xgrammar's reason.
+
+    The engine's finish message reads ``constraint.<kind>: invalid grammar: <reason>``; the client knows the field
+    by its proto name, so that one replaces the engine's."""
+    text = message or "invalid grammar"
+    if text.startswith("constraint.") and ": " in text:
+        text = text.split(": ", 1)[1]
+    return f"sampling_params.{field or 'constraint'}: {text}"
+
+
 def _refuse_unsupported(request: pb.GenerateRequest) -> None:
-    sp = request.sampling_params
-    constraint = sp.WhichOneof("constraint") if request.HasField("sampling_params") else None
-    if constraint is not None:
-        raise UnsupportedRequestError(
-            f"sampling_params.{constraint}", "constrained decoding is not available yet on this server"
-        )
     unsupported = (
         ("mm_inputs", request.HasField("mm_inputs") and bool(request.mm_inputs.ListFields()), "multimodal input"),
         ("input_embeds", bool(request.input_embeds), "input embeddings"),
@@ -298,6 +330,7 @@ class ServerState:
     start_time: float
     last_receive_time: float
     executor: str | None
+    grammar: str | None = None
 
 
 def model_info_response(model: ServedModel) -> pb.GetModelInfoResponse:
@@ -321,8 +354,13 @@ def model_info_response(model: ServedModel) -> pb.GetModelInfoResponse:
     )
 
 
-def server_args(config: EngineConfig, model: ServedModel, executor: str | None) -> dict[str, object]:
-    """The server's configuration under SGLang's argument names where one exists (gateways label workers by them)."""
+def server_args(
+    config: EngineConfig, model: ServedModel, executor: str | None, grammar: str | None = None
+) -> dict[str, object]:
+    """The server's configuration under SGLang's argument names where one exists (gateways label workers by them).
+
+    ``grammar`` says where constrained requests' grammars live: a service's HOST:PORT, ``in-process``, or None
+    when this server cannot serve constraints."""
     return {
         "model_path": model.info.model_path,
         "tokenizer_path": model.info.model_path,
@@ -340,6 +378,9 @@ def server_args(config: EngineConfig, model: ServedModel, executor: str | None) 
         "random_seed": config.seed,
         "disaggregation_mode": "null",
         "executor": executor if executor is not None else "in-process",
+        # SGLang's name; "none" tells a gateway that constrained requests will be refused.
+        "grammar_backend": "xgrammar" if grammar is not None else "none",
+        "grammar": grammar or "none",
     }
 
 
@@ -347,7 +388,7 @@ def server_info_response(
     config: EngineConfig, model: ServedModel, stats: SchedulerStats, state: ServerState, now: float
 ) -> pb.GetServerInfoResponse:
     args = Struct()
-    args.update(server_args(config, model, state.executor))
+    args.update(server_args(config, model, state.executor, state.grammar))
     scheduler_info = Struct()
     scheduler_info.update(
         {

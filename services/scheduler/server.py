@@ -53,9 +53,15 @@ class ExecutorHealthMonitor:
 class SchedulerServer:
     """The scheduler's gRPC server around one engine. Start and stop it on one event loop."""
 
-    def __init__(self, engine: Engine, served_model_name: str | None = None, executor: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        served_model_name: str | None = None,
+        executor: str | None = None,
+        grammar: str | None = None,
+    ) -> None:
         self.engine = engine
-        self.servicer = SchedulerServicer(engine, served_model(engine.info, served_model_name), executor)
+        self.servicer = SchedulerServicer(engine, served_model(engine.info, served_model_name), executor, grammar)
         self._health: health.aio.HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -98,12 +104,19 @@ class SchedulerServer:
 class ThreadedServer:
     """A :class:`SchedulerServer` on its own event loop thread, for tests and for embedding in sync code."""
 
-    def __init__(self, engine: Engine, served_model_name: str | None = None, executor: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        served_model_name: str | None = None,
+        executor: str | None = None,
+        grammar: str | None = None,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="scheduler-grpc", daemon=True)
         self._engine = engine
         self._name = served_model_name
         self._executor = executor
+        self._grammar = grammar
         self.server: SchedulerServer | None = None
         self.port = 0
 
@@ -115,7 +128,7 @@ class ThreadedServer:
 
     async def _create(self) -> SchedulerServer:
         # Built on the server's loop: grpc.aio and the health servicer bind to the loop they are created on.
-        return SchedulerServer(self._engine, self._name, self._executor)
+        return SchedulerServer(self._engine, self._name, self._executor, self._grammar)
 
     def stop(self, grace: float | None = 1.0, timeout: float = 30.0) -> None:
         if not self._thread.is_alive():

@@ -6,9 +6,11 @@ It only translates and delegates; every behaviour lives in ``engine/``. Nothing 
 files) run in worker threads.
 
 Status mapping (what the smg gateway turns into HTTP): bad input → INVALID_ARGUMENT naming the proto field,
-before anything is allocated; constrained decoding and other missing features → UNIMPLEMENTED; the executor
-lost mid-request → UNAVAILABLE (the gateway retries); any other abort (an ``Abort`` RPC, shutdown) → a
-``GenerateComplete`` whose finish_reason is ``"abort"``.
+before anything is allocated; a constraint xgrammar cannot compile → INVALID_ARGUMENT with xgrammar's reason
+(before any chunk: the engine refuses it before any forward); missing features (and a constraint on a server
+without a grammar service) → UNIMPLEMENTED; the executor lost mid-request → UNAVAILABLE (the gateway retries);
+any other abort (an ``Abort`` RPC, shutdown, a token the grammar refused at commit) → a ``GenerateComplete``
+whose finish_reason is ``"abort"`` (the proto has no field for the reason; it is logged).
 """
 
 from __future__ import annotations
@@ -49,13 +51,25 @@ class ExecutorLostError(Exception):
     """A sample ended because the executor went away: the RPC ends with UNAVAILABLE, not with a Complete."""
 
 
+class InvalidGrammarError(Exception):
+    """A sample's constraint did not compile: the RPC ends with INVALID_ARGUMENT (``details``), not a Complete."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+        self.details = details
+
+
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     """Serves one engine. Public request ids map to engine ids (``<id>-<i>`` per sample when n > 1)."""
 
-    def __init__(self, engine: Engine, model: ServedModel, executor: str | None = None) -> None:
+    def __init__(
+        self, engine: Engine, model: ServedModel, executor: str | None = None, grammar: str | None = None
+    ) -> None:
+        """``executor`` / ``grammar``: the services' addresses, for GetServerInfo (None: in process)."""
         self._engine = engine
         self._model = model
         self._executor = executor
+        self._grammar = grammar if grammar is not None else ("in-process" if engine.grammar is not None else None)
         config = engine.config
         self._limits = ModelLimits(
             vocab_size=model.info.vocab_size,
@@ -93,6 +107,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     await context.write(response)
         except ExecutorLostError as exc:
             await _refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        except InvalidGrammarError as exc:
+            await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc.details)
         finally:
             # Samples are left unfinished when the client cancelled the RPC (CancelledError) or when one sample
             # lost the executor: nobody will read the others, so stop them.
@@ -102,11 +118,19 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     async def _convert(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateSpec:
         try:
-            return convert.generate_spec(request, self._limits)
+            spec = convert.generate_spec(request, self._limits)
         except InvalidRequestError as exc:
             await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, convert.invalid_details(exc))
         except convert.UnsupportedRequestError as exc:
             await _refuse(context, grpc.StatusCode.UNIMPLEMENTED, str(exc))
+        if spec.constraint is not None and self._engine.grammar is None:
+            await _refuse(
+                context,
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"sampling_params.{spec.constraint_field}: constrained decoding needs a grammar service; "
+                "start the scheduler (and its executor) with --grammar HOST:PORT",
+            )
+        return spec
 
     async def _submit(
         self, spec: GenerateSpec, outputs: _Outputs, context: grpc.aio.ServicerContext
@@ -116,7 +140,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         submitted: list[str] = []
         try:
             for index, engine_id in enumerate(spec.engine_ids()):
-                self._engine.submit(spec.prompt_ids, spec.params, _sink(loop, outputs, index), engine_id)
+                sink = _sink(loop, outputs, index)
+                self._engine.submit(spec.prompt_ids, spec.params, sink, engine_id, constraint=spec.constraint)
                 submitted.append(engine_id)
         except InvalidRequestError as exc:
             self._abort_all(submitted, "another sample of the request was refused")
@@ -157,7 +182,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetServerInfoResponse:
-        state = ServerState(self._version, self._start_time, self._last_receive, self._executor)
+        state = ServerState(self._version, self._start_time, self._last_receive, self._executor, self._grammar)
         stats = self._engine.stats()
         return convert.server_info_response(self._engine.config, self._model, stats, state, time.time())
 
@@ -233,6 +258,8 @@ class _Samples:
             self._open.discard(index)
             if finish.reason is FinishReason.ABORT and finish.cause is AbortCause.EXECUTOR:
                 raise ExecutorLostError(finish.message or "the executor is unavailable")
+            if finish.reason is FinishReason.ABORT and finish.cause is AbortCause.INVALID_GRAMMAR:
+                raise InvalidGrammarError(convert.invalid_grammar_details(spec.constraint_field, finish.message))
         wants_logprobs = spec.params.logprobs
         if wants_logprobs:
             self._logprobs[index].extend(out.logprobs)

@@ -171,27 +171,26 @@ def test_abort_of_unknown_id_is_not_an_error(stub: pb_grpc.SglangSchedulerStub) 
     assert not answer.success and "never-sent" in answer.message
 
 
-# ------------------------------------------------------------------------------------------ not implemented
+# ------------------------------------------------------------------------------------------ constraints and the rest
 
 
 @pytest.mark.parametrize(
-    "constraint",
+    ("constraint", "field"),
     [
-        {"json_schema": '{"type":"object"}'},
-        {"regex": "[a-z]+"},
-        {"ebnf_grammar": 'root ::= "a"'},
-        {"structural_tag": "{}"},
+        ({"json_schema": "{not json"}, "sampling_params.json_schema"),
+        ({"regex": "("}, "sampling_params.regex"),
     ],
 )
-def test_constrained_request_is_unimplemented(
-    constraint: dict[str, Any], engine: Engine, stub: pb_grpc.SglangSchedulerStub
+def test_invalid_grammar_is_refused_before_anything_runs(
+    constraint: dict[str, Any], field: str, engine: Engine, stub: pb_grpc.SglangSchedulerStub
 ) -> None:
     assert engine.wait_idle(TIMEOUT)
     before = engine.stats()
     err = _error(lambda: _collect(stub, _request([5, 6], **constraint)))
-    assert err.code() is grpc.StatusCode.UNIMPLEMENTED
-    assert "constrained decoding is not available" in (err.details() or "")
-    assert engine.stats() == before
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (err.details() or "") and "invalid grammar" in (err.details() or "")
+    assert engine.wait_idle(TIMEOUT)
+    assert engine.stats() == before  # no step ran: nothing was prefilled or allocated
 
 
 def test_other_rpcs_are_unimplemented(stub: pb_grpc.SglangSchedulerStub) -> None:

@@ -5,17 +5,27 @@ direct gRPC ``Generate`` of the same token ids (tokenized here with the engine's
 completions, the chat template for chat) must give the same greedy text and the same token counts. A client that
 drops a stream must leave the scheduler with nothing running and no KV held, long before the request would
 have ended on its own.
+
+Structured outputs (smg turns them into the worker's ``constraint``, see ../shared/SMG.md): ``response_format``
+json_schema and json_object, and ``tools`` with tool_choice "required" or a named function, streaming and not.
+The embedded model is random, so the schemas bound every size and the requests leave room (``STRUCTURED_MAX``)
+for its whitespace; each output must then end because the grammar ended, never by the length limit, and be JSON
+valid for its schema.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
+import jsonschema
+import openai
 import pytest
 from openai import OpenAI
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -41,6 +51,25 @@ USER_TEXT = "Hello there, who are you?"
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": USER_TEXT}]
 # Every output exactly as long as asked: ignore_eos is an SGLang extension smg passes through to the worker.
 IGNORE_EOS = {"ignore_eos": True}
+STRUCTURED_MAX = 1024
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME: dict[str, Any] = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["utc", "cet", "pst"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS: list[ChatCompletionToolParam] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time of day", "parameters": TIME}},
+]
+TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
 GENERATED = "ordinal_generation_tokens_total"
 CLIENT_ABORTS = 'ordinal_requests_aborted_total{cause="client"}'
 
@@ -63,7 +92,8 @@ class Gateway:
 @pytest.fixture(scope="module")
 def gateway(embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     metrics = free_port_block(3)  # scheduler, executor and gateway metrics: base, +1, +2
-    flags = ["--port", "0", "--executor-port", "0", "--gateway-port", "0", "--metrics-port", str(metrics)]
+    flags = ["--port", "0", "--executor-port", "0", "--grammar-port", "0", "--gateway-port", "0"]
+    flags += ["--metrics-port", str(metrics)]
     flags += ["--served-model-name", MODEL, "--num-pages", "512"]
     stack = start_serve(tmp_path_factory.mktemp("gateway") / "serve.stderr", embedded_model_dir, *flags)
     try:
@@ -210,3 +240,104 @@ def test_dropped_stream_stops_the_request_and_frees_its_kv(gateway: Gateway) -> 
     generated = after[GENERATED] - before[GENERATED]
     assert generated < LONG // 4, f"{generated:.0f} of {LONG} tokens generated: the drop did not stop it"
     assert after.get(CLIENT_ABORTS, 0.0) - before.get(CLIENT_ABORTS, 0.0) == 1.0, "no client abort reached it"
+
+
+# ---------------------------------------------------------------------------------------------- structured outputs
+
+
+def _streamed_chat(gateway: Gateway, **kwargs: Any) -> tuple[str, str | None, dict[int, tuple[str, str]]]:
+    """A streamed chat: (content, finish_reason, tool calls by index as (name, arguments)) from the deltas."""
+    content: list[str] = []
+    finish: str | None = None
+    calls: dict[int, tuple[str, str]] = {}
+    for chunk in gateway.client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content.append(choice.delta.content or "")
+        for call in choice.delta.tool_calls or []:
+            name, args = calls.get(call.index, ("", ""))
+            function = call.function
+            if function is not None:
+                name, args = name + (function.name or ""), args + (function.arguments or "")
+            calls[call.index] = (name, args)
+        finish = choice.finish_reason or finish
+    return "".join(content), finish, calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_response_format_json_schema(gateway: Gateway, stream: bool) -> None:
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    if stream:
+        content, finish, _ = _streamed_chat(gateway, max_tokens=STRUCTURED_MAX, response_format=response_format)
+    else:
+        reply = gateway.client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=STRUCTURED_MAX, response_format=response_format
+        )
+        content, finish = reply.choices[0].message.content or "", reply.choices[0].finish_reason
+    assert finish == "stop", (finish, content)
+    jsonschema.validate(json.loads(content), WEATHER)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_response_format_json_object(gateway: Gateway, stream: bool) -> None:
+    if stream:
+        content, finish, _ = _streamed_chat(gateway, max_tokens=STRUCTURED_MAX, response_format={"type": "json_object"})
+    else:
+        reply = gateway.client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=STRUCTURED_MAX, response_format={"type": "json_object"}
+        )
+        content, finish = reply.choices[0].message.content or "", reply.choices[0].finish_reason
+    assert finish == "stop", (finish, content)
+    assert isinstance(json.loads(content), dict), content
+
+
+def _check_calls(calls: list[tuple[str, str]], names: set[str]) -> None:
+    assert calls, "no tool call"
+    for name, arguments in calls:
+        assert name in names, name
+        jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS[name])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_tool_choice_required(gateway: Gateway, stream: bool) -> None:
+    """smg asks for a JSON array of {name, parameters} over every tool and reads it back as tool calls."""
+    kwargs: dict[str, Any] = dict(max_tokens=STRUCTURED_MAX, tools=TOOLS, tool_choice="required")
+    if stream:
+        _, finish, by_index = _streamed_chat(gateway, **kwargs)
+        calls = [by_index[i] for i in sorted(by_index)]
+    else:
+        reply = gateway.client.chat.completions.create(model=MODEL, messages=ASK, **kwargs)
+        finish = reply.choices[0].finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls or []]
+    assert finish == "tool_calls", (finish, calls)
+    _check_calls(calls, set(TOOL_SCHEMAS))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_tool_choice_named_function(gateway: Gateway, stream: bool) -> None:
+    """smg constrains the output to that function's parameters and returns it as the call's arguments."""
+    kwargs: dict[str, Any] = dict(
+        max_tokens=STRUCTURED_MAX, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
+    if stream:
+        _, finish, by_index = _streamed_chat(gateway, **kwargs)
+        calls = [by_index[i] for i in sorted(by_index)]
+    else:
+        reply = gateway.client.chat.completions.create(model=MODEL, messages=ASK, **kwargs)
+        finish = reply.choices[0].finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls or []]
+    assert finish in ("stop", "tool_calls"), (finish, calls)
+    assert [name for name, _ in calls] == ["get_time"]
+    _check_calls(calls, {"get_time"})
+
+
+def test_invalid_schema_is_a_400_with_xgrammars_reason(gateway: Gateway) -> None:
+    bad: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "bad", "schema": {"type": "integer", "minimum": 5, "maximum": 1}},
+    }
+    with pytest.raises(openai.BadRequestError) as err:
+        gateway.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, response_format=bad)
+    assert "minimum greater than maximum" in str(err.value), err.value
+    wait_for_idle_load(gateway.scheduler, TIMEOUT)

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow  # each test starts the whole stack: tens of secon
 
 
 def start_stack(tmp_path: Path, model_dir: Path, *flags: str) -> ServeStack:
-    return start_serve(tmp_path / "launcher.stderr", model_dir, "--num-pages", "256", *flags)
+    # --grammar-port 0: the grammar service picks a free port, so concurrent runs never clash on the default.
+    return start_serve(tmp_path / "launcher.stderr", model_dir, "--num-pages", "256", "--grammar-port", "0", *flags)
 
 
 def assert_all_gone(pids: dict[str, int], timeout: float = 30.0) -> None:
@@ -52,7 +53,7 @@ def test_grpc_only_stack_serves_and_stops_on_sigterm(
     stacks.append(stack)
     assert stack.scheduler == f"127.0.0.1:{port}"
     assert stack.fields["executor"] == f"127.0.0.1:{executor_port}"
-    assert set(stack.pids) == {"executor", "scheduler"} and "gateway" not in stack.fields
+    assert set(stack.pids) == {"grammar", "executor", "scheduler"} and "gateway" not in stack.fields
 
     with grpc.insecure_channel(stack.scheduler) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=RPC_TIMEOUT)
@@ -85,7 +86,7 @@ def test_gateway_stack_chat_then_executor_death_is_reported(
     stacks.append(stack)
     base_url = f"http://127.0.0.1:{gateway_port}/v1"
     assert stack.gateway == base_url
-    assert set(stack.pids) == {"executor", "scheduler", "gateway"}
+    assert set(stack.pids) == {"grammar", "executor", "scheduler", "gateway"}
 
     client = OpenAI(base_url=base_url, api_key="unused", timeout=RPC_TIMEOUT, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny-e2e"]

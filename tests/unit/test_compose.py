@@ -1,8 +1,9 @@
 """docker-compose.yml and the Dockerfile, checked without Docker.
 
 Each service's command must parse with the parser that will actually read it (the launcher's for ``ordinal``
-subcommands; the service module's own for ``ordinal executor`` / ``ordinal scheduler``, which exec it), the ports
-must agree across services, healthchecks and publications, and startup must be ordered by health.
+subcommands; the service module's own for ``ordinal grammar`` / ``ordinal executor`` / ``ordinal scheduler``, which
+exec it), the ports must agree across services, healthchecks and publications, and startup must be ordered by
+health: grammar, executor, scheduler, gateway.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import yaml
 from services.launcher import build_parser, engine_config
 
 REPO = Path(__file__).resolve().parents[2]
-ORDER = ("executor", "scheduler", "gateway")
+ORDER = ("grammar", "executor", "scheduler", "gateway")
+PASSTHROUGH = ("grammar", "executor", "scheduler")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def parsed(service: dict[str, Any]) -> argparse.Namespace:
     command = service["command"]
     assert isinstance(command, list) and command[0] == "ordinal", "commands use the launcher (exec form)"
     sub = command[1]
-    if sub in ("executor", "scheduler"):
+    if sub in PASSTHROUGH:
         # `ordinal executor ARGS` execs `python -m services.executor ARGS`: that module's parser reads ARGS.
         module = importlib.import_module(f"services.{sub}.__main__")
         parser: argparse.ArgumentParser = module.build_parser()
@@ -71,27 +73,39 @@ def test_every_command_parses(services: dict[str, dict[str, Any]]) -> None:
 
 
 def test_ports_agree(services: dict[str, dict[str, Any]]) -> None:
-    executor, scheduler, gateway = (parsed(services[n]) for n in ORDER)
+    grammar, executor, scheduler, gateway = (parsed(services[n]) for n in ORDER)
     assert port_of(scheduler.executor) == ("executor", executor.port)
+    # Both talk to the one grammar service: the scheduler commits to the matchers the executor reads masks from.
+    assert port_of(executor.grammar) == port_of(scheduler.grammar) == ("grammar", grammar.port)
     url = urlsplit(gateway.worker_url)
     assert (url.scheme, url.hostname, url.port) == ("grpc", "scheduler", scheduler.port)
     assert published(services["scheduler"]) == {scheduler.port: 30000}
     assert published(services["gateway"]) == {gateway.port: 8000}
     assert "ports" not in services["executor"], "the executor is internal"
+    assert "ports" not in services["grammar"], "the grammar service is internal"
     metrics = [executor.metrics_port, scheduler.metrics_port, gateway.metrics_port]
     assert all(metrics) and len(set(metrics)) == 3
-    for args in (executor, scheduler, gateway):
+    assert len({grammar.port, executor.port, scheduler.port, gateway.port}) == 4
+    for args in (grammar, executor, scheduler, gateway):
         assert args.host == "0.0.0.0", "inside a container a service must listen beyond loopback"
 
 
 def test_executor_and_scheduler_agree_on_the_engine(services: dict[str, dict[str, Any]]) -> None:
-    executor, scheduler = parsed(services["executor"]), parsed(services["scheduler"])
+    executor, scheduler, grammar = (parsed(services[n]) for n in ("executor", "scheduler", "grammar"))
     a, b = engine_config(executor), engine_config(scheduler)
-    assert (a.page_size, a.num_pages, a.model_path) == (b.page_size, b.num_pages, b.model_path)
+    # grammar_overlap: the scheduler commits early exactly when the executor does not wait at the mask fence.
+    assert (a.page_size, a.num_pages, a.model_path, a.grammar_overlap) == (
+        b.page_size,
+        b.num_pages,
+        b.model_path,
+        b.grammar_overlap,
+    )
+    assert grammar.model == a.model_path, "the grammar service masks the executor's vocabulary"
 
 
 def test_startup_is_ordered_by_health(services: dict[str, dict[str, Any]]) -> None:
-    assert "depends_on" not in services["executor"]
+    assert "depends_on" not in services["grammar"]
+    assert services["executor"]["depends_on"] == {"grammar": {"condition": "service_healthy"}}
     assert services["scheduler"]["depends_on"] == {"executor": {"condition": "service_healthy"}}
     assert services["gateway"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
 

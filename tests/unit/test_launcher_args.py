@@ -74,6 +74,8 @@ def test_engine_argv_round_trips_every_engine_flag() -> None:
         "64",
         "--no-overlap",
         "--no-prefix-cache",
+        "--grammar-overlap",
+        "off",
     ]
     parser = _engine_parser()
     args = parser.parse_args(flags)
@@ -89,12 +91,24 @@ def test_engine_argv_round_trips_every_engine_flag() -> None:
         chunk_size=64,
         overlap=False,
         prefix_cache=False,
+        grammar_overlap=False,
     )
+
+
+def test_grammar_overlap_sets_the_mask_wait() -> None:
+    """on: the executor waits at the fence (mask_wait_s > 0); off: it never waits, the scheduler commits early."""
+    parser = _engine_parser()
+    on, off = (engine_config(parser.parse_args(["--grammar-overlap", v])) for v in ("on", "off"))
+    assert on.grammar_overlap and on.mask_wait_s == on.grammar_wait_s > 0
+    assert not off.grammar_overlap and off.mask_wait_s == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--grammar-overlap", "maybe"])
 
 
 def test_serve_defaults_are_the_documented_interface() -> None:
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.executor_port, args.gateway_port) == ("127.0.0.1", 30000, 30001, 8000)
+    assert (args.grammar_port, args.grammar_overlap) == (30002, "on")
     assert args.no_gateway is False and args.model is None and args.served_model_name is None
     assert args.metrics_port == DEFAULT_METRICS_PORT and args.log_level == "INFO"
     assert engine_config(args) == EngineConfig()
@@ -102,8 +116,10 @@ def test_serve_defaults_are_the_documented_interface() -> None:
 
 def test_serve_flags_parse() -> None:
     argv = "serve --model /x --host 0.0.0.0 --port 1 --gateway-port 2 --executor-port 3 --no-gateway --page-size 8 "
-    argv += "--num-pages 9 --chunk-size 10 --no-overlap --metrics-port 4 --served-model-name m --log-level debug"
+    argv += "--num-pages 9 --chunk-size 10 --no-overlap --metrics-port 4 --served-model-name m --log-level debug "
+    argv += "--grammar-port 5 --grammar-overlap off"
     args = build_parser().parse_args(argv.split())
+    assert args.grammar_port == 5 and engine_config(args).grammar_overlap is False
     assert (args.host, args.port, args.gateway_port, args.executor_port, args.metrics_port) == ("0.0.0.0", 1, 2, 3, 4)
     assert args.no_gateway and args.no_overlap and args.served_model_name == "m" and args.log_level == "DEBUG"
     assert engine_config(args).page_size == 8 and engine_config(args).num_pages == 9
@@ -145,10 +161,11 @@ def test_smg_argv_is_the_documented_command() -> None:
 
 
 def test_ready_line_names_endpoints_and_pids() -> None:
-    ep = Endpoints("127.0.0.1", 1, 2, "http://127.0.0.1:3/v1", "m", {}, {"executor": 10, "scheduler": 11})
+    pids = {"grammar": 9, "executor": 10, "scheduler": 11}
+    ep = Endpoints("127.0.0.1", 1, 2, 4, "http://127.0.0.1:3/v1", "m", {}, pids)
     assert ep.ready_line() == (
-        "ORDINAL_READY scheduler=127.0.0.1:1 executor=127.0.0.1:2 gateway=http://127.0.0.1:3/v1 "
-        "executor_pid=10 scheduler_pid=11"
+        "ORDINAL_READY scheduler=127.0.0.1:1 executor=127.0.0.1:2 grammar=127.0.0.1:4 gateway=http://127.0.0.1:3/v1 "
+        "grammar_pid=9 executor_pid=10 scheduler_pid=11"
     )
 
 
@@ -324,3 +341,11 @@ def test_executor_subcommand_execs_the_service_module() -> None:
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "python -m services.executor" in done.stdout and "--page-size" in done.stdout
+    assert "--grammar HOST:PORT" in done.stdout and "--grammar-overlap" in done.stdout
+
+
+def test_grammar_subcommand_execs_the_service_module() -> None:
+    cmd = [sys.executable, "-m", "services.launcher", "grammar", "--help"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "python -m services.grammar" in done.stdout and "--fence-deadline-ms" in done.stdout

@@ -1,0 +1,449 @@
+"""Constrained decoding through the split services: grammar service + executor + scheduler, real gRPC on loopback.
+
+Each stack is three servers in this process on their own ports: the grammar service (``GrammarThread``), the
+executor (``ExecutorThread`` over a ``ModelRunner`` whose mask fetcher is a ``RemoteGrammar``) and the scheduler
+(``ThreadedServer`` over an ``Engine`` with a ``RemoteRunner`` and a ``RemoteGrammar``). Clients speak only the
+public ``SglangScheduler`` API. Checked: outputs follow their grammar (a JSON schema's output validates with
+``jsonschema``, a regex's matches it), grammar-overlap on and off give token-identical outputs for a mixed batch,
+every matcher is released after drain, an invalid grammar is INVALID_ARGUMENT with xgrammar's reason before any
+chunk, and a constrained row whose mask cannot be had ends that request alone (``SampledToken.error`` crosses the
+executor protocol) while the other requests finish.
+
+The public proto carries no seed: a request's sampling seed is the engine's per-submit counter. The on/off
+comparison therefore submits its requests one at a time (each after the previous one streamed its first token), so
+that both stacks give every request the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jsonschema
+import pytest
+import xgrammar as xgr
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.grammar import CompilerConfig, ConstraintCompiler, InvalidGrammarError, load_tokenizer_info
+from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.model.tokenizer import Tokenizer
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.step import SampledToken, StepEntry, StepPlan, StepResult
+from engine.stop import AbortCause
+from protos import executor_pb2
+from services.executor import convert as executor_convert
+from services.executor.server import ExecutorThread
+from services.grammar.server import GrammarThread
+from services.grammar_client import GrammarClient, RemoteGrammar
+from services.remote_runner import RemoteRunner
+from services.scheduler.server import ThreadedServer
+from tests.e2e.stack import wait_for_idle_load
+
+TIMEOUT = 60.0
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ANSWER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+EMAIL = r"[a-z]{1,8}@[a-z]{1,6}\.(com|org)"
+YES_NO = 'root ::= "yes" | "no" | "maybe"'
+
+
+@pytest.fixture(scope="module")
+def config(embedded_model_dir: Path) -> EngineConfig:
+    return EngineConfig(model_path=str(embedded_model_dir), page_size=8, num_pages=512, max_running=40, chunk_size=64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(embedded_model_dir)
+
+
+@contextmanager
+def grammar_service(model_dir: str) -> Iterator[str]:
+    compiler = ConstraintCompiler.from_model_dir(model_dir, CompilerConfig(workers=2))
+    server = GrammarThread(compiler)
+    try:
+        yield f"127.0.0.1:{server.port}"
+    finally:
+        server.stop()
+        compiler.shutdown()
+
+
+@dataclass
+class Stack:
+    """One split stack's public stub, its engine, and where its grammar service and executor listen."""
+
+    stub: pb_grpc.SglangSchedulerStub
+    engine: Engine
+    grammar: str
+    executor: str
+
+
+@contextmanager
+def split_stack(config: EngineConfig, grammar: str, executor_grammar: str | None = None) -> Iterator[Stack]:
+    """Executor and scheduler over gRPC, both on the grammar service ``grammar`` (the executor on
+    ``executor_grammar`` instead when given)."""
+    vocab = load_vocab_size(config)
+    masks = RemoteGrammar.connect(executor_grammar or grammar, TIMEOUT, vocab_size=vocab)
+    runner = ModelRunner.load(config, masks)
+    executor = ExecutorThread(runner)
+    target = f"127.0.0.1:{executor.port}"
+    commits = RemoteGrammar.connect(grammar, TIMEOUT, vocab_size=vocab)
+    engine = Engine(config, RemoteRunner.connect(target, timeout=TIMEOUT), grammar=commits)
+    server = ThreadedServer(engine, executor=target, grammar=grammar)
+    try:
+        port = server.start()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield Stack(pb_grpc.SglangSchedulerStub(channel), engine, grammar, target)
+    finally:
+        server.stop()
+        engine.shutdown()
+        commits.close()
+        executor.stop()
+        runner.shutdown()
+        masks.close()
+
+
+def load_vocab_size(config: EngineConfig) -> int:
+    return int(json.loads(Path(str(config.model_path), "config.json").read_text())["vocab_size"])
+
+
+@pytest.fixture(scope="module")
+def grammar(config: EngineConfig) -> Iterator[str]:
+    with grammar_service(str(config.model_path)) as target:
+        yield target
+
+
+@pytest.fixture(scope="module")
+def stack(config: EngineConfig, grammar: str) -> Iterator[Stack]:
+    with split_stack(config, grammar) as running:
+        yield running
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def request(
+    ids: list[int],
+    *,
+    rid: str = "",
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    stream: bool = False,
+    n: int = 1,
+    **constraint: str,
+) -> pb.GenerateRequest:
+    params = pb.SamplingParams(
+        temperature=temperature,
+        top_p=1.0,
+        top_k=-1,
+        repetition_penalty=1.0,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        **constraint,
+    )
+    return pb.GenerateRequest(
+        request_id=rid, tokenized=pb.TokenizedInput(input_ids=ids), sampling_params=params, stream=stream
+    )
+
+
+def completes(stub: pb_grpc.SglangSchedulerStub, req: pb.GenerateRequest) -> list[pb.GenerateComplete]:
+    """Every Complete of the RPC (one per sample), by index; chunks must add up to each Complete's output."""
+    streamed: dict[int, list[int]] = {}
+    done: dict[int, pb.GenerateComplete] = {}
+    for reply in stub.Generate(req, timeout=TIMEOUT):
+        if reply.HasField("chunk"):
+            streamed.setdefault(reply.chunk.index, []).extend(reply.chunk.token_ids)
+        else:
+            done[reply.complete.index] = reply.complete
+    if req.stream:
+        assert {i: list(c.output_ids) for i, c in done.items()} == streamed
+    return [done[i] for i in sorted(done)]
+
+
+def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def text_of(tokenizer: Tokenizer, complete: pb.GenerateComplete) -> str:
+    return tokenizer.decode(list(complete.output_ids), skip_special_tokens=True)
+
+
+def grammar_open(target: str) -> int:
+    with GrammarClient(target) as client:
+        return client.get_state().num_open
+
+
+def assert_drained(stack: Stack) -> None:
+    """Nothing running or holding KV, no executor buffer, and every grammar released (C9 baseline)."""
+    wait_for_idle_load(stack.stub, TIMEOUT)
+    assert stack.engine.wait_idle(TIMEOUT)
+    assert grammar_open(stack.grammar) == 0
+
+
+# ---------------------------------------------------------------------------------------------------- outputs
+
+
+def test_json_schema_outputs_validate(stack: Stack, tokenizer: Tokenizer) -> None:
+    """Sampled at temperature 1: a schema with bounded sizes lets the random model reach the end of the grammar,
+    so every sample finishes with "stop" and must then be valid JSON for the schema."""
+    ids = chat_ids(tokenizer, "The weather, as JSON.")
+    for stream in (False, True):
+        req = request(ids, max_new_tokens=400, n=4, stream=stream, json_schema=json.dumps(WEATHER))
+        done = completes(stack.stub, req)
+        assert [c.finish_reason for c in done] == ["stop"] * 4, done
+        for complete in done:
+            jsonschema.validate(json.loads(text_of(tokenizer, complete)), WEATHER)
+            assert complete.matched_token_id in tokenizer.eos_token_ids  # the grammar's end is an end token
+    assert_drained(stack)
+
+
+def test_regex_and_ebnf_outputs_match(stack: Stack, tokenizer: Tokenizer) -> None:
+    ids = chat_ids(tokenizer, "An address, please.")
+    for complete in completes(stack.stub, request(ids, max_new_tokens=64, n=3, regex=EMAIL)):
+        assert complete.finish_reason == "stop" and re.fullmatch(EMAIL, text_of(tokenizer, complete)), complete
+    for complete in completes(stack.stub, request(ids, max_new_tokens=16, n=3, ebnf_grammar=YES_NO)):
+        assert complete.finish_reason == "stop" and text_of(tokenizer, complete) in {"yes", "no", "maybe"}
+    assert_drained(stack)
+
+
+def test_server_info_names_the_grammar_service(stack: Stack) -> None:
+    info = stack.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT)
+    args = dict(info.server_args.items())
+    assert (args["grammar_backend"], args["grammar"]) == ("xgrammar", stack.grammar)
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    ("field", "text"),
+    [
+        ("json_schema", '{"type": "integer", "minimum": 5, "maximum": 1}'),
+        ("json_schema", '{"type": "strin"}'),
+        ("regex", "(ab"),
+        ("ebnf_grammar", "root ::= undefined_rule"),
+    ],
+)
+def test_invalid_grammar_is_invalid_argument_with_xgrammars_reason(
+    stack: Stack, config: EngineConfig, field: str, text: str
+) -> None:
+    reason = xgrammar_refusal(config, field, text)
+    before = stack.engine.stats()
+    with pytest.raises(grpc.RpcError) as err:
+        # stream=True: the refusal must come before any chunk (no forward ever runs for it).
+        list(stack.stub.Generate(request([5, 6, 7], stream=True, n=2, **{field: text}), timeout=TIMEOUT))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, err.value
+    details = err.value.details() or ""
+    assert details.startswith(f"sampling_params.{field}: invalid grammar: ") and reason in details, details
+    after = stack.engine.stats()
+    assert (after.steps, after.prefill_tokens) == (before.steps, before.prefill_tokens)
+    assert grammar_open(stack.grammar) == 0
+
+
+def xgrammar_refusal(config: EngineConfig, field: str, text: str) -> str:
+    """xgrammar's own reason for refusing ``text``, from a compiler of our own (not the service's)."""
+    compiler = ConstraintCompiler(load_tokenizer_info(str(config.model_path)), CompilerConfig(workers=1))
+    try:
+        compiler.compile(Constraint.from_public_field(field, text), TIMEOUT)
+    except InvalidGrammarError as exc:
+        return exc.reason
+    finally:
+        compiler.shutdown()
+    raise AssertionError(f"xgrammar compiled {text!r}")
+
+
+def test_empty_grammar_names_the_field(stack: Stack) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.stub.Generate(request([5, 6, 7], regex=""), timeout=TIMEOUT))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("sampling_params.regex: ")
+
+
+# ---------------------------------------------------------------------------------------------------- overlap
+
+
+def mixed_batch(tokenizer: Tokenizer) -> list[pb.GenerateRequest]:
+    """16 constrained (JSON schemas, regex, EBNF) and 16 unconstrained requests, greedy and sampled, interleaved."""
+    rng = random.Random(11)
+    constraints: list[dict[str, str]] = [
+        {"json_schema": json.dumps(WEATHER)},
+        {"json_schema": json.dumps(ANSWER)},
+        {"json_schema": '{"type": "object"}'},
+        {"regex": EMAIL},
+        {"ebnf_grammar": YES_NO},
+        {"json_schema": json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 3})},
+    ]
+    requests = []
+    for i in range(32):
+        words = " ".join(
+            rng.choice(["json", "cat", "tool", "weather", "list", "yes"]) for _ in range(rng.randint(1, 9))
+        )
+        ids = chat_ids(tokenizer, words)
+        temperature = 0.0 if i % 4 < 2 else 0.8
+        constraint = constraints[(i // 2) % len(constraints)] if i % 2 == 0 else {}
+        requests.append(
+            request(ids, rid=f"r{i}", max_new_tokens=24 + i % 7 * 6, temperature=temperature, stream=True, **constraint)
+        )
+    return requests
+
+
+def run_in_submit_order(stub: pb_grpc.SglangSchedulerStub, requests: list[pb.GenerateRequest]) -> list[Any]:
+    """Run every request concurrently, but submit request k+1 only after request k streamed its first message."""
+    results: list[Any] = [None] * len(requests)
+
+    def run(i: int, first: threading.Event) -> None:
+        streamed: list[int] = []
+        try:
+            for reply in stub.Generate(requests[i], timeout=TIMEOUT):
+                first.set()
+                if reply.HasField("chunk"):
+                    streamed.extend(reply.chunk.token_ids)
+                else:
+                    results[i] = (reply.complete.finish_reason, list(reply.complete.output_ids), streamed)
+        except grpc.RpcError as exc:
+            results[i] = exc
+        finally:
+            first.set()
+
+    threads = []
+    for i in range(len(requests)):
+        first = threading.Event()
+        threads.append(threading.Thread(target=run, args=(i, first), daemon=True))
+        threads[-1].start()
+        assert first.wait(TIMEOUT), f"request {i} streamed nothing"
+    for thread in threads:
+        thread.join(TIMEOUT)
+    return results
+
+
+def test_grammar_overlap_on_and_off_give_identical_outputs(
+    config: EngineConfig, grammar: str, tokenizer: Tokenizer
+) -> None:
+    """C4: delayed sampling behind the fence (on) and early commit with no fence wait (off) are the same tokens.
+
+    Each mode runs on a fresh executor and scheduler (the seed counter starts at 0 in both) against the same
+    grammar service, which must hold no matcher once each batch drained."""
+    requests = mixed_batch(tokenizer)
+    outputs = {}
+    for mode in (True, False):
+        with split_stack(replace(config, grammar_overlap=mode), grammar) as stack:
+            outputs[mode] = run_in_submit_order(stack.stub, requests)
+            assert_drained(stack)
+    on, off = outputs[True], outputs[False]
+    assert all(isinstance(r, tuple) and r[0] in ("stop", "length") for r in on), on
+    for i, (a, b) in enumerate(zip(on, off, strict=True)):
+        assert a == b, f"request {i} ({requests[i].sampling_params.WhichOneof('constraint')}): {a} != {b}"
+        assert a[1] == a[2], "the chunks carry exactly the Complete's tokens"
+    constrained = [r for req, r in zip(requests, on, strict=True) if req.sampling_params.WhichOneof("constraint")]
+    # Both ends are compared: constrained requests that reach their grammar's end, and ones cut by the length limit.
+    assert {r[0] for r in constrained} == {"stop", "length"}, constrained
+    for req, (finish, out_ids, _) in zip(requests, on, strict=True):
+        field = req.sampling_params.WhichOneof("constraint")
+        if field is not None:
+            assert grammar_accepts(config, field, getattr(req.sampling_params, field), out_ids, finish == "stop")
+
+
+def grammar_accepts(config: EngineConfig, field: str, text: str, ids: list[int], terminated: bool) -> bool:
+    """A fresh xgrammar matcher accepts ``ids`` token by token (and is then terminated when the output stopped)."""
+    info = load_tokenizer_info(str(config.model_path))
+    compiler = xgr.GrammarCompiler(info)
+    kind = Constraint.from_public_field(field, text).kind
+    if kind is ConstraintKind.JSON_SCHEMA:
+        compiled = compiler.compile_json_schema(text)
+    elif kind is ConstraintKind.REGEX:
+        compiled = compiler.compile_regex(text)
+    else:
+        compiled = compiler.compile_grammar(text)
+    matcher = xgr.GrammarMatcher(compiled)
+    return all(matcher.accept_token(t) for t in ids) and matcher.is_terminated() == terminated
+
+
+# ---------------------------------------------------------------------------------------------------- failures
+
+
+def test_missing_mask_ends_only_that_request(config: EngineConfig, grammar: str, tokenizer: Tokenizer) -> None:
+    """The executor asks another grammar service, where the request's grammar is not open: its mask is refused
+    (UNKNOWN), the row comes back with ``SampledToken.error`` over the executor protocol, and the scheduler ends
+    that request alone with a grammar abort ("abort" Complete). An unconstrained request next to it finishes."""
+    with grammar_service(str(config.model_path)) as other, split_stack(config, grammar, executor_grammar=other) as s:
+        ids = chat_ids(tokenizer, "JSON please")
+        free_done: list[pb.GenerateComplete] = []
+        free = threading.Thread(
+            target=lambda: free_done.extend(completes(s.stub, request(ids, max_new_tokens=40, temperature=0.0))),
+            daemon=True,
+        )
+        free.start()
+        (constrained,) = completes(s.stub, request(ids, max_new_tokens=40, json_schema=json.dumps(WEATHER)))
+        free.join(TIMEOUT)
+        assert constrained.finish_reason == "abort" and not constrained.output_ids, constrained
+        assert [c.finish_reason for c in free_done] == ["length"] and len(free_done[0].output_ids) == 40
+        # The public proto has no place for the reason; the engine's finish shows it is the executor's refusal.
+        (out,) = s.engine.generate_batch(
+            [ids], [SamplingParams(max_new_tokens=8)], TIMEOUT, [Constraint(ConstraintKind.REGEX, EMAIL)]
+        )
+        assert out.finish is not None and out.finish.cause is AbortCause.GRAMMAR, out.finish
+        assert "grammar mask refused (unknown)" in (out.finish.message or ""), out.finish
+        assert_drained(s)
+
+
+def test_constraint_without_a_grammar_service_is_unimplemented(config: EngineConfig, grammar: str) -> None:
+    """A scheduler on a remote executor and no grammar service cannot constrain: it says so, nothing runs."""
+    runner = ModelRunner.load(config)
+    executor = ExecutorThread(runner)
+    target = f"127.0.0.1:{executor.port}"
+    engine = Engine(config, RemoteRunner.connect(target, timeout=TIMEOUT))
+    try:
+        with (
+            ThreadedServer(engine, executor=target) as server,
+            grpc.insecure_channel(f"127.0.0.1:{server.start()}") as channel,
+        ):
+            stub = pb_grpc.SglangSchedulerStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request([5, 6], regex="a+"), timeout=TIMEOUT))
+            assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+            assert "--grammar" in (err.value.details() or "")
+            info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT)
+            assert dict(info.server_args.items())["grammar_backend"] == "none"
+    finally:
+        engine.shutdown()
+        executor.stop()
+        runner.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------- protocol
+
+
+def test_constrained_and_error_cross_the_executor_protocol() -> None:
+    entry = StepEntry("a", 1, 3, 7, (), True, (0, 1), True, constrained=True)
+    plan = StepPlan(5, (entry, replace(entry, request_id="b", constrained=False)))
+    wire = executor_pb2.StepPlan.FromString(executor_convert.plan_to_proto(plan).SerializeToString())
+    assert executor_convert.plan_from_proto(wire) == plan
+    samples = (SampledToken("a", 3, 0, error="grammar mask refused (unknown): a"), SampledToken("b", 3, 9))
+    result = StepResult(5, samples, 0.5)
+    wire_result = executor_pb2.StepResult.FromString(executor_convert.result_to_proto(result).SerializeToString())
+    assert executor_convert.result_from_proto(wire_result) == result
+    assert not executor_pb2.SampledToken().HasField("error")  # unset is not "": presence carries it
