@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,3 +22,25 @@ def add_health_and_reflection(
     names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     return servicer
+
+
+async def start_serving(
+    register: Callable[[grpc.aio.Server], None],
+    service_name: str,
+    host: str,
+    port: int,
+    options: Sequence[tuple[str, int]] = (),
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start a ``grpc.aio`` server with ``register``'s servicer, health and reflection on ``host:port`` (0 picks a
+    free port); ``service_name`` is SERVING once it listens. Returns the server, the bound port and the health
+    servicer (for graceful shutdown)."""
+    server = grpc.aio.server(options=list(options))
+    register(server)
+    health_servicer = add_health_and_reflection(server, [service_name])
+    assert isinstance(health_servicer, health.aio.HealthServicer)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer

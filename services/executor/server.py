@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from engine.errors import InvalidRequestError, ProtocolError
 from engine.runner import ModelInfo, ModelRunner
@@ -26,7 +25,7 @@ from engine.step import StepPlan, StepResult
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
-from services.grpc_common import add_health_and_reflection
+from services.grpc_common import start_serving
 from services.metrics import ExecutorMetrics
 
 log = logging.getLogger(__name__)
@@ -214,15 +213,10 @@ async def start_executor(
     runner: ModelRunner, host: str = "127.0.0.1", port: int = 0, metrics: ExecutorMetrics | None = None
 ) -> ExecutorServer:
     """Serve ``runner`` (already loaded) on ``host:port`` (0 picks a free port) until stopped."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = ExecutorServicer(runner, metrics)
-    pb_grpc.add_ExecutorServicer_to_server(servicer, server)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    server, bound, health = await start_serving(
+        lambda s: pb_grpc.add_ExecutorServicer_to_server(servicer, s), SERVICE_NAME, host, port, SERVER_OPTIONS
+    )
     return ExecutorServer(server, bound, servicer, health)
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from engine.errors import InvalidRequestError
 from engine.grammar import (
@@ -35,7 +34,7 @@ from engine.grammar import (
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
-from services.grpc_common import add_health_and_reflection
+from services.grpc_common import start_serving
 
 log = logging.getLogger(__name__)
 
@@ -273,15 +272,10 @@ async def start_grammar(
     config: GrammarServiceConfig = GrammarServiceConfig(),
 ) -> GrammarServer:
     """Serve grammars compiled by ``compiler`` on ``host:port`` (0 picks a free port) until stopped."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = GrammarServicer(compiler, config)
-    pb_grpc.add_GrammarServicer_to_server(servicer, server)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    server, bound, health = await start_serving(
+        lambda s: pb_grpc.add_GrammarServicer_to_server(servicer, s), SERVICE_NAME, host, port, SERVER_OPTIONS
+    )
     return GrammarServer(server, bound, servicer, health)
 
 
