@@ -44,3 +44,16 @@ async def start_serving(
     await server.start()
     await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
+
+
+class StartedServer:
+    """A started ``grpc.aio`` server: its bound port and health service. :meth:`stop` says NOT_SERVING first."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health: health.aio.HealthServicer) -> None:
+        self.server = server
+        self.port = port
+        self.health = health
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)

@@ -25,7 +25,7 @@ from engine.step import StepPlan, StepResult
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
-from services.grpc_common import start_serving
+from services.grpc_common import StartedServer, start_serving
 from services.metrics import ExecutorMetrics
 
 log = logging.getLogger(__name__)
@@ -194,19 +194,12 @@ def _error_reply(step_id: int, code: str, message: str) -> pb.SessionReply:
 # ---------------------------------------------------------------- serving
 
 
-class ExecutorServer:
-    """A started executor server: its bound port, its servicer and health service."""
+class ExecutorServer(StartedServer):
+    """A started executor server. Stopping cancels an open session, which drops its buffers."""
 
     def __init__(self, server: grpc.aio.Server, port: int, servicer: ExecutorServicer, health: Any) -> None:
-        self.server = server
-        self.port = port
+        super().__init__(server, port, health)
         self.servicer = servicer
-        self.health = health
-
-    async def stop(self, grace: float = 5.0) -> None:
-        """NOT_SERVING first, then stop: an open session is cancelled and its buffers are dropped."""
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
 
 
 async def start_executor(

@@ -34,7 +34,7 @@ from engine.grammar import (
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
-from services.grpc_common import start_serving
+from services.grpc_common import StartedServer, start_serving
 
 log = logging.getLogger(__name__)
 
@@ -249,19 +249,15 @@ def _consume(future: asyncio.Future[Any]) -> None:
 # ---------------------------------------------------------------- serving
 
 
-class GrammarServer:
-    """A started grammar server: its bound port, servicer and health service."""
+class GrammarServer(StartedServer):
+    """A started grammar server. Stopping also closes the servicer's xgrammar pool."""
 
     def __init__(self, server: grpc.aio.Server, port: int, servicer: GrammarServicer, health: Any) -> None:
-        self.server = server
-        self.port = port
+        super().__init__(server, port, health)
         self.servicer = servicer
-        self.health = health
 
     async def stop(self, grace: float = 2.0) -> None:
-        """NOT_SERVING first, then stop serving, then the xgrammar pool."""
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        await super().stop(grace)
         self.servicer.close()
 
 
