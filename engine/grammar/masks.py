@@ -41,12 +41,17 @@ class PendingMasks:
             outcomes = self._future.result()
         except Exception as exc:  # the grammar service is unreachable: these rows cannot be sampled correctly
             return StepMasks(bitmask.to(device), {row: f"grammar masks unavailable: {exc}" for row in self._rows})
+        filled: list[int] = []
+        words: list[torch.Tensor] = []
         for row, outcome in zip(self._rows, outcomes, strict=True):
             if outcome.rows is None:
                 code = outcome.refusal.value if outcome.refusal is not None else "error"
                 errors[row] = f"grammar mask refused ({code}): {outcome.message}"
             else:
-                bitmask[row] = outcome.rows.words[0]
+                filled.append(row)
+                words.append(outcome.rows.words[:1])  # [1, W]
+        if filled:
+            bitmask[filled] = torch.cat(words)  # [F, W] into their sampling rows, one copy
         return StepMasks(bitmask.to(device), errors)
 
 

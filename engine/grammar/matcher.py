@@ -286,31 +286,72 @@ class VersionedMatcher:
         return CommitResult(accepted, self._state is MatcherState.TERMINATED, rejected, self._ordinal)
 
     def _check_mask(self, at_ordinal: int) -> None:
+        refusal = self._mask_refusal(at_ordinal)
+        if refusal is not None:
+            raise GrammarProtocolError(*refusal)
+
+    def _mask_refusal(self, at_ordinal: int) -> tuple[Refusal, str] | None:
+        """Why no mask at ``at_ordinal`` can be computed now (code and message), or None. The caller holds the lock.
+
+        Returned, not raised: with overlap most mask requests arrive before their commit, and a batch answers
+        BEHIND for many rows every step.
+        """
         here = self._ordinal
         if self._state is MatcherState.RELEASED:
-            raise GrammarProtocolError(Refusal.RELEASED, f"{self._name}: mask requested after release")
+            return Refusal.RELEASED, f"{self._name}: mask requested after release"
         if here > at_ordinal:
-            raise GrammarProtocolError(
+            return (
                 Refusal.AHEAD,
                 f"{self._name}: mask for ordinal {at_ordinal} refused, the grammar is already at ordinal {here}",
             )
         # Finished matchers never move again: waiting for a later ordinal would only burn the deadline.
         if self._state is MatcherState.REJECTED:
-            raise GrammarProtocolError(Refusal.REJECTED, f"{self._name}: {self._rejection()}; no mask exists")
+            return Refusal.REJECTED, f"{self._name}: {self._rejection()}; no mask exists"
         if self._state is MatcherState.TERMINATED:
-            raise GrammarProtocolError(
-                Refusal.TERMINATED, f"{self._name}: the grammar terminated at ordinal {here}; no next token exists"
-            )
+            return Refusal.TERMINATED, f"{self._name}: the grammar terminated at ordinal {here}; no next token exists"
         if here < at_ordinal:
-            raise GrammarProtocolError(
+            return (
                 Refusal.BEHIND,
                 f"{self._name}: mask for ordinal {at_ordinal} requested, the grammar is at ordinal {here} "
                 "(the commit reaching it has not arrived)",
             )
+        return None
 
     def _rejection(self) -> str:
         token, ordinal = self._rejected if self._rejected is not None else (-1, -1)
         return f"the grammar refused token {token} at ordinal {ordinal}"
+
+
+def fill_mask_rows(
+    requests: Sequence[tuple[VersionedMatcher, int]], out: torch.Tensor
+) -> list[tuple[Refusal, str] | None]:
+    """Row i of ``out`` [len(requests), W] gets the mask of ``requests[i]`` = (matcher, ordinal), all in one call.
+
+    The batched form of :meth:`VersionedMatcher.fill_mask`, for the registry's per-step batches: one xgrammar
+    call fills every row, instead of a Python round per row. Each answer is None (row i filled) or the refusal
+    (code, message) of that request, its row untouched. C3 holds as in the single form: every matcher's lock is
+    held from the ordinal check until its row is filled, so a commit cannot slip in between. Locks are taken in
+    one global order (by ``id``), so two batches naming the same matchers cannot deadlock. The matchers must
+    share one vocabulary (one registry's do).
+    """
+    if not requests:
+        return []
+    _check_buffer(out, (len(requests), requests[0][0].words_per_row))
+    held = sorted({id(m): m for m, _ in requests}.values(), key=id)  # a request id twice in a batch: one lock
+    for matcher in held:
+        matcher._lock.acquire()
+    try:
+        answers = [matcher._mask_refusal(ordinal) for matcher, ordinal in requests]
+        ready = [i for i, answer in enumerate(answers) if answer is None]
+        if ready:
+            # One thread: the forward this overlaps with already uses the cores, and xgrammar's pool costs more
+            # than it saves at a few dozen rows.
+            filler = xgr.BatchGrammarMatcher(max_threads=1)
+            filler.batch_fill_next_token_bitmask([requests[i][0]._matcher for i in ready], out, ready)
+    finally:
+        for matcher in held:
+            matcher._lock.release()
+    return answers
 
 
 def _int64(values: list[int]) -> torch.Tensor:

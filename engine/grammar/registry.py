@@ -24,7 +24,14 @@ import torch
 
 from engine.grammar.compiler import CompiledConstraint, ConstraintCompiler
 from engine.grammar.constraint import Constraint
-from engine.grammar.matcher import CommitResult, DraftTree, GrammarProtocolError, Refusal, VersionedMatcher
+from engine.grammar.matcher import (
+    CommitResult,
+    DraftTree,
+    GrammarProtocolError,
+    Refusal,
+    VersionedMatcher,
+    fill_mask_rows,
+)
 
 # Released ids remembered so that a late call is answered RELEASED rather than UNKNOWN; bounded (C9: nothing
 # per request may outlive the service's baseline by more than this fixed-size memory).
@@ -172,8 +179,27 @@ class GrammarRegistry:
     # ---------------------------------------------------------------- masks
 
     def poll_masks(self, entries: Sequence[MaskEntry]) -> list[MaskOutcome]:
-        """Answer each entry from the state it names, without waiting: BEHIND where the matcher is not there yet."""
-        return [self._mask_one(entry) for entry in entries]
+        """Answer each entry from the state it names, without waiting: BEHIND where the matcher is not there yet.
+
+        Single-row entries are filled together by one xgrammar call (:func:`fill_mask_rows`) into one buffer;
+        draft entries one by one. Every entry is still answered on its own.
+        """
+        outcomes: list[MaskOutcome | None] = [None] * len(entries)
+        singles: list[tuple[int, VersionedMatcher]] = []
+        for i, entry in enumerate(entries):
+            try:
+                matcher = self._lookup(entry.request_id)
+            except GrammarProtocolError as refused:
+                outcomes[i] = MaskOutcome(None, refused.code, str(refused))
+                continue
+            if entry.draft is None:
+                singles.append((i, matcher))
+            else:
+                outcomes[i] = self._draft_one(entry, matcher)
+        if singles:
+            for (i, _), outcome in zip(singles, self._fill_singles(entries, singles), strict=True):
+                outcomes[i] = outcome
+        return [o if o is not None else MaskOutcome(None, Refusal.INTERNAL, "not answered") for o in outcomes]
 
     def fill_masks(self, entries: Sequence[MaskEntry], timeout_s: float) -> list[MaskOutcome]:
         """Fenced masks (C3): entries whose matcher is behind wait for its commit, at most ``timeout_s``."""
@@ -189,19 +215,35 @@ class GrammarRegistry:
         with self._changed:
             return self._changed.wait_for(lambda: self._generation != seen_generation, timeout=max(0.0, timeout_s))
 
-    def _mask_one(self, entry: MaskEntry) -> MaskOutcome:
+    def _fill_singles(
+        self, entries: Sequence[MaskEntry], singles: list[tuple[int, VersionedMatcher]]
+    ) -> list[MaskOutcome]:
+        words = torch.zeros((len(singles), self._compiler.words_per_row), dtype=torch.int32)  # [S, W]
         try:
-            matcher = self._lookup(entry.request_id)
+            answers = fill_mask_rows([(matcher, entries[i].ordinal) for i, matcher in singles], words)
+        except Exception:  # xgrammar failed on some row: find which, answering each entry on its own
+            return [self._mask_one(entries[i], matcher) for i, matcher in singles]
+        full = (words == -1).all(dim=1).tolist()  # [S]: rows that allow every token travel as a flag
+        rows = words.split(1)  # S views [1, W], made in one call
+        return [
+            MaskOutcome(MaskRows(row, (row_full,))) if answer is None else MaskOutcome(None, *answer)
+            for row, row_full, answer in zip(rows, full, answers, strict=True)
+        ]
+
+    def _mask_one(self, entry: MaskEntry, matcher: VersionedMatcher) -> MaskOutcome:
+        def one_row() -> MaskRows:
+            words = torch.empty((1, matcher.words_per_row), dtype=torch.int32)  # [1, W]
+            return MaskRows(words, (matcher.fill_mask(entry.ordinal, words[0]),))
+
+        return _answered(entry, one_row)
+
+    def _draft_one(self, entry: MaskEntry, matcher: VersionedMatcher) -> MaskOutcome:
+        def tree_rows() -> MaskRows:
+            assert entry.draft is not None
             words = torch.empty((entry.num_rows, matcher.words_per_row), dtype=torch.int32)  # [R, W]
-            if entry.draft is None:
-                full: tuple[bool, ...] = (matcher.fill_mask(entry.ordinal, words[0]),)
-            else:
-                full = matcher.fill_draft_masks(entry.ordinal, entry.draft, words)
-            return MaskOutcome(MaskRows(words, full))
-        except GrammarProtocolError as refused:
-            return MaskOutcome(None, refused.code, str(refused))
-        except Exception as error:  # xgrammar failed: report it on this entry only
-            return MaskOutcome(None, Refusal.INTERNAL, f"{entry.request_id}: {type(error).__name__}: {error}")
+            return MaskRows(words, matcher.fill_draft_masks(entry.ordinal, entry.draft, words))
+
+        return _answered(entry, tree_rows)
 
     # ---------------------------------------------------------------- release
 
@@ -244,6 +286,16 @@ class GrammarRegistry:
             self._changed.notify_all()
         if self._on_change is not None:
             self._on_change()
+
+
+def _answered(entry: MaskEntry, compute: Callable[[], MaskRows]) -> MaskOutcome:
+    """``compute``'s rows as the entry's answer; a refusal or an xgrammar failure is the answer of this entry only."""
+    try:
+        return MaskOutcome(compute())
+    except GrammarProtocolError as refused:
+        return MaskOutcome(None, refused.code, str(refused))
+    except Exception as error:
+        return MaskOutcome(None, Refusal.INTERNAL, f"{entry.request_id}: {type(error).__name__}: {error}")
 
 
 class MaskFence:

@@ -155,8 +155,8 @@ def test_a_skipped_early_commit_is_refused_at_the_fence_at_once(
     ends that request with a grammar abort that keeps nothing of N+1.
 
     Fails if ``error=masks.errors.get(i)`` is removed from ``ModelRunner._sample`` (the row comes back as a token
-    sampled without its mask), if ``if here < at_ordinal: raise ... BEHIND`` is removed from
-    ``VersionedMatcher._check_mask`` (the mask for ordinal 1 is computed from ordinal 0 and the row is "fine"), or
+    sampled without its mask), if ``if here < at_ordinal: return Refusal.BEHIND, ...`` is removed from
+    ``VersionedMatcher._mask_refusal`` (the mask for ordinal 1 is computed from ordinal 0 and the row is "fine"), or
     if ``EngineConfig.mask_wait_s`` ignores ``grammar_overlap`` (the executor waits the full 5 s fence deadline):
     checked once each."""
     scheduler, runner = sync_pair
@@ -273,8 +273,8 @@ def test_a_mask_is_only_answered_at_its_own_version(
     """C3: after committing k tokens, a mask for ordinal k - 1 (ahead: the peer's view is stale) is refused at
     once, one for k + 1 (behind) fails at its deadline, one for k equals the reference mask after those k tokens.
 
-    Fails if ``if here > at_ordinal: raise ... AHEAD`` is removed from ``VersionedMatcher._check_mask`` (the mask
-    for k - 1 is answered from version k): checked once."""
+    Fails if ``if here > at_ordinal: return Refusal.AHEAD, ...`` is removed from ``VersionedMatcher._mask_refusal``
+    (the mask for k - 1 is answered from version k): checked once."""
     k = 3
     registry.open("versions", _schema(), WAIT_S)
     (done,) = registry.commit([CommitEntry("versions", 0, tuple(valid_tokens[:k]))])
@@ -506,8 +506,8 @@ def test_seed_000_the_grammar_never_falls_behind_the_decode_loop(
     final output. With delayed sampling, N+1's mask request is made while N is pending (held so at every step);
     with early commit, N is committed before N+1's mask is even asked.
 
-    Delayed sampling fails if ``if here < at_ordinal: raise ... BEHIND`` is removed from
-    ``VersionedMatcher._check_mask`` (N+1's mask is answered from version v, before N's commit: the seed's stale
+    Delayed sampling fails if ``if here < at_ordinal: return Refusal.BEHIND, ...`` is removed from
+    ``VersionedMatcher._mask_refusal`` (N+1's mask is answered from version v, before N's commit: the seed's stale
     verify mask, which lets the sampler pick tokens the grammar then refuses, "Tokens not accepted" aborts); early
     commit fails if the ``while inflight: self._commit(...)`` early commit is removed from
     ``Engine._loop`` (the seed's missing guard: masks are refused behind the fence and requests abort): checked

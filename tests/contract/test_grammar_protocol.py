@@ -170,7 +170,7 @@ def test_a_duplicate_commit_is_refused(stub: pb_grpc.GrammarStub, tokens: list[i
 
 def test_a_mask_at_a_past_ordinal_is_refused(stub: pb_grpc.GrammarStub, tokens: list[int]) -> None:
     """C3: the grammar moved on; an old mask would be stale. Enforced by `if here > at_ordinal:` in
-    VersionedMatcher._check_mask; without it the mask of ordinal 2 is answered OK for a request of ordinal 1."""
+    VersionedMatcher._mask_refusal; without it the mask of ordinal 2 is answered OK for a request of ordinal 1."""
     rid = open_one(stub)
     commit(stub, rid, 0, tokens[:2])
     reply = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=1)])

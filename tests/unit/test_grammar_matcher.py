@@ -313,6 +313,112 @@ def test_fence_ends_at_once_when_the_ordinal_can_never_come(
         assert outcome.refusal is expected, outcome
 
 
+def test_a_batch_of_masks_equals_the_rows_one_by_one_and_refusals_stay_per_entry(
+    registry: GrammarRegistry, compiler: ConstraintCompiler, tokenizer: Tokenizer, eos: int
+) -> None:
+    """C3 in the batched path: one poll over matchers at different points of two grammars answers every ready
+    entry with exactly the mask its own matcher gives alone, and every other entry with its own refusal (behind,
+    ahead, terminated, released, unknown, the same id twice), whatever sits next to it in the batch."""
+    tokens = ids(tokenizer, VALID_JSON)
+    schema = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
+    array = Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "array", "items": {"type": "integer"}}')
+    array_tokens = ids(tokenizer, "[1, 22, 333]")
+    for k in range(len(tokens)):
+        registry.open(f"s{k}", schema, WAIT_S)
+        registry.commit([CommitEntry(f"s{k}", 0, tuple(tokens[:k]))])
+    for k in range(len(array_tokens)):
+        registry.open(f"a{k}", array, WAIT_S)
+        registry.commit([CommitEntry(f"a{k}", 0, tuple(array_tokens[:k]))])
+    for rid in ("behind", "ahead", "done", "gone"):
+        registry.open(rid, schema, WAIT_S)
+    registry.commit([CommitEntry("ahead", 0, tuple(tokens[:2])), CommitEntry("done", 0, (*tokens, eos))])
+    registry.release(["gone"])
+    ready = [MaskEntry(f"s{k}", k) for k in range(len(tokens))] + [
+        MaskEntry(f"a{k}", k) for k in range(len(array_tokens))
+    ]
+    odd = [
+        MaskEntry("behind", 1),
+        MaskEntry("ahead", 1),
+        MaskEntry("done", len(tokens) + 1),
+        MaskEntry("gone", 0),
+        MaskEntry("nobody", 0),
+    ]
+    entries = [e for pair in zip(ready, odd + [None] * len(ready), strict=False) for e in pair if e is not None]
+    entries.append(MaskEntry("s1", 1))  # the same id twice in one batch: answered twice, no deadlock
+    outcomes = registry.poll_masks(entries)
+    expected = {
+        "behind": Refusal.BEHIND,
+        "ahead": Refusal.AHEAD,
+        "done": Refusal.TERMINATED,
+        "gone": Refusal.RELEASED,
+        "nobody": Refusal.UNKNOWN,
+    }
+    for entry, outcome in zip(entries, outcomes, strict=True):
+        if entry.request_id in expected:
+            assert outcome.rows is None and outcome.refusal is expected[entry.request_id], (entry, outcome)
+            continue
+        assert outcome.rows is not None, (entry, outcome)
+        constraint, feed = (schema, tokens) if entry.request_id.startswith("s") else (array, array_tokens)
+        alone = VersionedMatcher(compiler.compile(constraint, WAIT_S))  # a matcher of its own, same tokens
+        alone.commit(0, feed[: entry.ordinal])
+        row = mask_at(alone, entry.ordinal)  # [W]
+        assert torch.equal(outcome.rows.words[0], row), entry
+        assert outcome.rows.full == (bool((row == -1).all()),)
+
+
+def test_batched_masks_are_never_from_another_version_while_commits_race(
+    registry: GrammarRegistry, tokenizer: Tokenizer
+) -> None:
+    """C3 under a real race: one thread commits a valid JSON token by token into 8 matchers while another polls
+    masks at the ordinal it last read. Every mask answered equals the reference mask at the ordinal it names:
+    the matcher's lock is held from the ordinal check to the fill, so a commit never lands in between (without
+    ``fill_mask_rows``' lock acquisition, masks of the next version come back for the ordinal asked)."""
+    tokens = ids(tokenizer, VALID_JSON)
+    schema = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
+    reference = VersionedMatcher(registry.compiler.compile(schema, WAIT_S))
+    expected = []
+    for k, token in enumerate(tokens):
+        expected.append(mask_at(reference, k))
+        reference.commit(k, [token])
+    expected.append(mask_at(reference, len(tokens)))  # the poller may also ask after the last commit
+    rids = [f"race{i}" for i in range(8)]
+    for rid in rids:
+        registry.open(rid, schema, WAIT_S)
+    stop = threading.Event()
+    seen: list[tuple[int, MaskOutcome]] = []
+    polled = threading.Condition()
+    polls = [0]  # finished polls
+
+    def poll() -> None:
+        while not stop.is_set():
+            ordinal = min(registry._lookup(rid).ordinal for rid in rids)
+            for outcome in registry.poll_masks([MaskEntry(rid, ordinal) for rid in rids]):
+                seen.append((ordinal, outcome))
+            with polled:
+                polls[0] += 1
+                polled.notify_all()
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for k, token in enumerate(tokens):
+            # Two more polls finished since the last commit: a whole one saw ordinal k; this commit then races the
+            # poll in progress.
+            with polled:
+                target = polls[0] + 2
+                assert polled.wait_for(lambda t=target: polls[0] >= t, timeout=WAIT_S)
+            registry.commit([CommitEntry(rid, k, (token,)) for rid in rids])
+    finally:
+        stop.set()
+        poller.join(WAIT_S)
+    answered = [(ordinal, o) for ordinal, o in seen if o.rows is not None]
+    assert answered, "the poller never got a mask"
+    for ordinal, outcome in answered:
+        assert outcome.rows is not None and torch.equal(outcome.rows.words[0], expected[ordinal]), ordinal
+    assert {ordinal for ordinal, _ in answered} >= set(range(len(tokens)))  # every version was asked and answered
+    assert all(o.refusal in (None, Refusal.AHEAD, Refusal.TERMINATED) for _, o in seen)
+
+
 # ---------------------------------------------------------------- compiler
 
 
