@@ -195,6 +195,10 @@ class VersionedMatcher:
     def words_per_row(self) -> int:
         return words_per_row(self._vocab_size)
 
+    def is_behind(self, at_ordinal: int) -> bool:
+        """Active and not at ``at_ordinal`` yet: a mask for it must wait. Read without the lock (advisory only)."""
+        return self._state is MatcherState.ACTIVE and self._ordinal < at_ordinal
+
     def commit(self, from_ordinal: int, tokens: Sequence[int]) -> CommitResult:
         """Feed ``tokens``, the output committed after ordinal ``from_ordinal``, one by one.
 

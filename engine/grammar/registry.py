@@ -201,6 +201,27 @@ class GrammarRegistry:
                 outcomes[i] = outcome
         return [o if o is not None else MaskOutcome(None, Refusal.INTERNAL, "not answered") for o in outcomes]
 
+    def behind(self, entries: Sequence[MaskEntry]) -> list[bool]:
+        """Per entry: its matcher is open and active but has not reached the entry's ordinal yet.
+
+        Cheap (no xgrammar, no message) and only advisory: the fence uses it to skip polling entries that could
+        only answer BEHIND. It reads ordinals without the matchers' locks; a commit landing right after the read
+        has bumped the generation the fence waits on, so the fence polls again at once and nothing is missed.
+        """
+        with self._lock:
+            matchers = [self._open.get(entry.request_id) for entry in entries]
+        return [m is not None and m.is_behind(e.ordinal) for m, e in zip(matchers, entries, strict=True)]
+
+    def wait_message(self, entry: MaskEntry) -> str:
+        """What a mask entry is waiting for, for the message of a fence that gave up on it."""
+        with self._lock:
+            matcher = self._open.get(entry.request_id)
+        here = "released" if matcher is None else f"at ordinal {matcher.ordinal}"
+        return (
+            f"grammar of {entry.request_id}: mask for ordinal {entry.ordinal} requested, the grammar is {here} "
+            "(the commit reaching it has not arrived)"
+        )
+
     def fill_masks(self, entries: Sequence[MaskEntry], timeout_s: float) -> list[MaskOutcome]:
         """Fenced masks (C3): entries whose matcher is behind wait for its commit, at most ``timeout_s``."""
         with MaskFence(self, entries, timeout_s) as fence:
@@ -322,13 +343,27 @@ class MaskFence:
         self._set_counted(0)
 
     def poll(self) -> bool:
-        """Try every entry still behind; True when none is behind any more."""
-        answers = self._registry.poll_masks([self._entries[i] for i in self._pending])
-        for i, outcome in zip(self._pending, answers, strict=True):
-            self._outcomes[i] = outcome
-        self._pending = [i for i, o in zip(self._pending, answers, strict=True) if o.refusal is Refusal.BEHIND]
+        """Answer every pending entry that is not behind any more; True when none is left behind.
+
+        Entries still behind are seen by a cheap check (:meth:`GrammarRegistry.behind`) and not polled: with
+        overlap most of a step's mask requests arrive before their commit, and computing nothing for them keeps
+        the fence's cost at one real poll per commit.
+        """
+        behind = self._registry.behind([self._entries[i] for i in self._pending])
+        ready = [i for i, late in zip(self._pending, behind, strict=True) if not late]
+        if ready:
+            answers = self._registry.poll_masks([self._entries[i] for i in ready])
+            for i, outcome in zip(ready, answers, strict=True):
+                self._outcomes[i] = outcome
+        # Ordinals only grow and finished states never return to ACTIVE, so a polled entry is BEHIND only if its id
+        # was released and opened anew in between; it stays pending like the others.
+        self._pending = [i for i in self._pending if self._outcomes[i] is None or self._is_behind(i)]
         self._set_counted(len(self._pending))
         return not self._pending
+
+    def ready(self) -> bool:
+        """Cheaply: would :meth:`poll` have anything to compute now? (A driver may skip a costly poll hop.)"""
+        return not all(self._registry.behind([self._entries[i] for i in self._pending]))
 
     def remaining_s(self) -> float:
         return self._deadline - time.monotonic()
@@ -342,13 +377,16 @@ class MaskFence:
             self._registry._count_waiting(waiting - self._counted)
             self._counted = waiting
 
+    def _is_behind(self, i: int) -> bool:
+        outcome = self._outcomes[i]
+        return outcome is not None and outcome.refusal is Refusal.BEHIND
+
     def _final(self, entry: MaskEntry, outcome: MaskOutcome | None) -> MaskOutcome:
-        if outcome is None:  # never polled: the driver gave up before the first poll
-            outcome = MaskOutcome(None, Refusal.BEHIND, f"{entry.request_id}: not polled")
-        if outcome.refusal is not Refusal.BEHIND:
+        if outcome is not None and outcome.refusal is not Refusal.BEHIND:
             return outcome
         return MaskOutcome(
             None,
             Refusal.BEHIND_DEADLINE,
-            f"{outcome.message}; no such commit came within the fence deadline of {self._timeout_s * 1000:.0f} ms",
+            f"{self._registry.wait_message(entry)}; no such commit came within the fence deadline of "
+            f"{self._timeout_s * 1000:.0f} ms",
         )

@@ -195,7 +195,10 @@ class GrammarServicer(pb_grpc.GrammarServicer):
         with MaskFence(self.registry, entries, timeout_s) as fence:
             while True:
                 seen = self._signal.generation  # before the poll: a commit during the poll ends the wait at once
-                if await self._run(fence.poll) or fence.remaining_s() <= 0:
+                # Only a poll with masks to compute goes to the pool; one that finds every entry still behind costs
+                # a few dict lookups and stays on the loop.
+                done = await self._run(fence.poll) if fence.ready() else fence.poll()
+                if done or fence.remaining_s() <= 0:
                     return fence.outcomes()
                 await self._signal.wait_past(seen, fence.remaining_s())
 
