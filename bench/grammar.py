@@ -14,14 +14,22 @@ and mask computation, overlapped with the forward), and how many bytes a FillMas
 would carry for that step (packed with ``services.grammar.convert.encode_masks``: distinct rows once, all-allowed
 rows as a reference).
 
+With ``--split`` the same comparison runs against the services as deployed: a grammar service, an executor and a
+scheduler as their own processes (two such stacks: one with delayed sampling, one with ``--grammar-overlap off``),
+driven through the scheduler's public gRPC API with ``json_schema`` constraints; CPU is that of every service
+process.
+
     .venv/bin/python bench/grammar.py                       # 32 streams, prints one table with the ratio
     .venv/bin/python bench/grammar.py --schemas ../shared/jsonschemabench --rounds 3
+    .venv/bin/python bench/grammar.py --split               # the same through the gRPC services
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import queue
 import random
 import statistics
@@ -31,7 +39,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import grpc
 import torch
+from load import SpawnedStack, spawned_stack  # bench/load.py, beside this file
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -288,6 +300,100 @@ class Mode:
         self._grammar.shutdown()
 
 
+# ---------------------------------------------------------------------------------------------- split services
+
+
+def process_cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of the processes ``pids`` so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def grpc_closed_loop(target: str, jobs: Sequence[Job], streams: int) -> tuple[float, int, int]:
+    """``streams`` concurrent Generate streams through the scheduler's public API until every job ran.
+
+    Returns (wall seconds, output tokens, requests finished by stop)."""
+    pending = list(reversed(jobs))
+    tokens = stops = 0
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.SglangSchedulerStub(channel)
+
+        async def worker() -> None:
+            nonlocal tokens, stops
+            while pending:
+                job = pending.pop()
+                params = pb.SamplingParams(
+                    temperature=job.params.temperature, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=1,
+                    max_new_tokens=job.params.max_new_tokens,
+                )  # fmt: skip
+                if job.constraint is not None:
+                    params.json_schema = job.constraint.text
+                request = pb.GenerateRequest(
+                    tokenized=pb.TokenizedInput(input_ids=list(job.prompt)), sampling_params=params, stream=True
+                )
+                async for response in stub.Generate(request, timeout=600):
+                    if response.HasField("chunk"):
+                        tokens += len(response.chunk.token_ids)
+                    elif response.HasField("complete"):
+                        stops += response.complete.finish_reason == "stop"
+                    else:
+                        raise RuntimeError(f"request failed: {response}")
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(streams)))
+    return time.perf_counter() - started, tokens, stops
+
+
+class SplitMode:
+    """One way of serving the workload through a spawned stack of services."""
+
+    def __init__(self, name: str, stack: SpawnedStack, constrained: bool) -> None:
+        self.tally = Tally(name)
+        self.stack = stack
+        self.constrained = constrained
+
+    def jobs(self, jobs: list[Job], schemas: Sequence[Constraint]) -> list[Job]:
+        return constrain(jobs, schemas) if self.constrained else jobs
+
+    def run_round(self, jobs: list[Job], streams: int) -> None:
+        cpu_started = process_cpu_s(self.stack.pids)
+        wall, tokens, stops = asyncio.run(grpc_closed_loop(self.stack.target, jobs, streams))
+        self.tally.cpu_s += process_cpu_s(self.stack.pids) - cpu_started
+        self.tally.rates.append(tokens / wall)
+        self.tally.output_tokens += tokens
+        self.tally.requests += len(jobs)
+        self.tally.finished_by_stop += stops
+
+
+def run_split(
+    args: argparse.Namespace, path: Path, schemas: Sequence[Constraint], jobs: list[Job], warm: list[Job]
+) -> None:
+    flags = ["--num-pages", "8192", "--max-running", str(max(64, args.streams)), "--chunk-size", "1024"]
+    with (
+        spawned_stack(path, flags, grammar=True) as overlapped,
+        spawned_stack(path, [*flags, "--grammar-overlap", "off"], grammar=True) as early,
+    ):
+        modes = [
+            SplitMode("unconstrained", overlapped, constrained=False),
+            SplitMode("constrained, delayed sampling", overlapped, constrained=True),
+            SplitMode("constrained, early commit", early, constrained=True),
+        ]
+        for mode in modes:  # compiles every schema, warms the caches; not counted
+            asyncio.run(grpc_closed_loop(mode.stack.target, mode.jobs(warm, schemas), args.streams))
+        for _ in range(args.rounds):
+            for mode in modes:
+                mode.run_round(mode.jobs(jobs, schemas), args.streams)
+    print_rates([m.tally for m in modes])
+    print(
+        f"\n{args.rounds} interleaved rounds per mode at {args.streams} streams through the gRPC services "
+        "(grammar service, executor, scheduler: separate processes); ratio: vs unconstrained. CPU: every service "
+        "process."
+    )
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -298,29 +404,41 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+RATE_HEADER = (
+    f"{'mode':<31}{'tok/s best':>11}{'ratio':>7}{'tok/s med':>10}{'ratio':>7}{'CPU ms/tok':>11}{'ratio':>7}"
+    f"{'out/req':>8}{'stop%':>6}"
+)
+
+
+def rate_cells(t: Tally, base: Tally) -> str:
+    return (
+        f"{t.name:<31}{t.best:>11.1f}{t.best / base.best:>6.2f}x{t.median:>10.1f}{t.median / base.median:>6.2f}x"
+        f"{t.cpu_ms_per_token:>11.2f}{t.cpu_ms_per_token / base.cpu_ms_per_token:>6.2f}x"
+        f"{t.output_tokens / t.requests:>8.1f}{100 * t.finished_by_stop / t.requests:>5.0f}%"
+    )
+
+
+def print_rates(tallies: Sequence[Tally]) -> None:
+    print(RATE_HEADER)
+    print("-" * len(RATE_HEADER))
+    for t in tallies:
+        print(rate_cells(t, tallies[0]))
+
+
 def print_table(modes: Sequence[Mode], streams: int) -> None:
     base = modes[0].tally
-    header = (
-        f"{'mode':<31}{'tok/s best':>11}{'ratio':>7}{'tok/s med':>10}{'ratio':>7}{'CPU ms/tok':>11}{'ratio':>7}"
-        f"{'out/req':>8}{'stop%':>6}"
-        f"{'wait p50/p99 ms':>17}{'fill p50/p99 ms':>17}{'reply B/step p50/max':>22}"
-    )
+    header = RATE_HEADER + f"{'wait p50/p99 ms':>17}{'fill p50/p99 ms':>17}{'reply B/step p50/max':>22}"
     print(header)
     print("-" * len(header))
     for mode in modes:
-        t, c = mode.tally, mode.costs
+        c = mode.costs
         waits = fills = reply = "-"
         if c.mask_waits_s:
             waits = f"{percentile(c.mask_waits_s, 0.5) * 1e3:.2f}/{percentile(c.mask_waits_s, 0.99) * 1e3:.2f}"
             fills = f"{percentile(c.fill_calls_s, 0.5) * 1e3:.2f}/{percentile(c.fill_calls_s, 0.99) * 1e3:.2f}"
             sizes = c.reply_bytes(mode.words)
             reply = f"{statistics.median(sizes):.0f}/{max(sizes)}"
-        print(
-            f"{t.name:<31}{t.best:>11.1f}{t.best / base.best:>6.2f}x{t.median:>10.1f}{t.median / base.median:>6.2f}x"
-            f"{t.cpu_ms_per_token:>11.2f}{t.cpu_ms_per_token / base.cpu_ms_per_token:>6.2f}x"
-            f"{t.output_tokens / t.requests:>8.1f}{100 * t.finished_by_stop / t.requests:>5.0f}%"
-            f"{waits:>17}{fills:>17}{reply:>22}"
-        )
+        print(f"{rate_cells(mode.tally, base)}{waits:>17}{fills:>17}{reply:>22}")
     rows = [len(outcomes) for outcomes in modes[1].costs.replies]
     print(
         f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; ratio: vs unconstrained. CPU: this "
@@ -340,6 +458,7 @@ def main() -> None:
     parser.add_argument("--schemas", type=Path, default=None, help="a folder of *.json schemas to cycle through")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per mode, interleaved (best and median shown)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", action="store_true", help="through the gRPC services, each its own process")
     args = parser.parse_args()
     path = args.model or ensure_embedded_model()
     base = EngineConfig(model_path=str(path), num_pages=8192, max_running=max(64, args.streams), chunk_size=1024)
@@ -353,6 +472,9 @@ def main() -> None:
         f"{args.requests} requests per mode and round, {args.streams} streams, up to {args.max_new} tokens each, "
         f"{len(schemas)} schemas, torch threads {torch.get_num_threads()}\n"
     )
+    if args.split:
+        run_split(args, path, schemas, jobs, warm)
+        return
     modes = [
         Mode("unconstrained", base, constrained=False),
         Mode("constrained, delayed sampling", base, constrained=True),

@@ -131,24 +131,40 @@ async def run_in_process(engine: Engine, streams: int, jobs: list[Job]) -> Repor
     return Report("in-process engine", wall, timings)
 
 
+@dataclass(frozen=True)
+class SpawnedStack:
+    """The scheduler's address and the pid of every service process (for CPU accounting)."""
+
+    target: str
+    pids: tuple[int, ...]
+
+
 @contextmanager
-def spawned_stack(model: Path, config_args: list[str]) -> Iterator[str]:
-    """Start executor and scheduler as their own processes on loopback; yield the scheduler's address."""
+def spawned_stack(model: Path, config_args: list[str], grammar: bool = False) -> Iterator[SpawnedStack]:
+    """Start executor and scheduler (and with ``grammar`` a grammar service both use) as their own processes on
+    loopback; yield the scheduler's address and the pids."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen[str]] = []
     try:
+        links: list[str] = []
+        if grammar:
+            service = _start([sys.executable, "-m", "services.grammar", "--port", "0", "--model", str(model)], env)
+            procs.append(service)
+            links = ["--grammar", f"127.0.0.1:{_ready_port(service, 'GRAMMAR_READY')}"]
         executor = _start(
-            [sys.executable, "-m", "services.executor", "--port", "0", "--model", str(model), *config_args], env
+            [sys.executable, "-m", "services.executor", "--port", "0", "--model", str(model), *links, *config_args],
+            env,
         )
         procs.append(executor)
         eport = _ready_port(executor, "EXECUTOR_READY")
         scheduler = _start(
             [sys.executable, "-m", "services.scheduler", "--port", "0", "--executor", f"127.0.0.1:{eport}",
-             "--model", str(model), *config_args],
+             "--model", str(model), *links, *config_args],
             env,
         )  # fmt: skip
         procs.append(scheduler)
-        yield f"127.0.0.1:{_ready_port(scheduler, 'SCHEDULER_READY')}"
+        port = _ready_port(scheduler, "SCHEDULER_READY")
+        yield SpawnedStack(f"127.0.0.1:{port}", tuple(p.pid for p in procs))
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -213,8 +229,8 @@ def main() -> None:
     if args.target:
         reports.append(asyncio.run(run_grpc(args.target, args.streams, jobs)))
     else:
-        with spawned_stack(model, flags) as target:
-            reports.append(asyncio.run(run_grpc(target, args.streams, jobs)))
+        with spawned_stack(model, flags) as stack:
+            reports.append(asyncio.run(run_grpc(stack.target, args.streams, jobs)))
     if args.compare:
         with Engine(config) as engine:
             reports.append(asyncio.run(run_in_process(engine, args.streams, jobs)))

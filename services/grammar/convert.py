@@ -6,7 +6,7 @@ rows by index, and a row that allows every token as the reference -1 with no dat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -128,29 +128,40 @@ def mask_entry_from_proto(message: pb.MaskEntry) -> MaskEntry:
 
 
 def encode_masks(outcomes: Sequence[MaskOutcome], words_per_row: int) -> pb.FillMasksReply:
-    """Pack mask outcomes: each distinct row once, all-allowed rows as the reference -1."""
-    reply = pb.FillMasksReply(words_per_row=words_per_row)
+    """Pack mask outcomes: each distinct row once, all-allowed rows as the reference -1.
+
+    Vectorised over the reply: every row that travels as data is converted to wire words in one array, and rows
+    are told apart by their bytes, so the cost per row is a slice and a dict lookup.
+    """
+    answered = [o.rows for o in outcomes if o.rows is not None]
+    words = _wire_words([rows.words for rows in answered], words_per_row)  # [R, W] little-endian
     index: dict[bytes, int] = {}
+    next_row = 0
+    results: list[pb.MaskResult] = []
     for outcome in outcomes:
         if outcome.rows is None:
             refusal = outcome.refusal or Refusal.INTERNAL
-            reply.results.append(pb.MaskResult(code=REFUSAL_CODES[refusal], message=outcome.message))
+            results.append(pb.MaskResult(code=REFUSAL_CODES[refusal], message=outcome.message))
             continue
-        refs = [_row_ref(row, full, index) for row, full in zip(outcome.rows.words, outcome.rows.full, strict=True)]
-        reply.results.append(pb.MaskResult(code=pb.OK, row_refs=refs))
-    reply.rows.extend(index)  # dicts keep insertion order: row r is the r-th distinct row
-    return reply
+        refs = []
+        for full in outcome.rows.full:
+            refs.append(FULL_ROW_REF if full else index.setdefault(words[next_row].tobytes(), len(index)))
+            next_row += 1
+        results.append(pb.MaskResult(code=pb.OK, row_refs=refs))
+    # dicts keep insertion order: row r is the r-th distinct row
+    return pb.FillMasksReply(words_per_row=words_per_row, rows=list(index), results=results)
 
 
-def _row_ref(row: torch.Tensor, full: bool, index: dict[bytes, int]) -> int:
-    if full:
-        return FULL_ROW_REF
-    data = row.numpy().astype(_WORD, copy=False).tobytes()  # [W] words
-    return index.setdefault(data, len(index))
+def _wire_words(blocks: Sequence[torch.Tensor], width: int) -> np.ndarray:
+    """Every row of ``blocks`` (int32 [R_i, W] each), in order, as one little-endian array [sum R_i, W]."""
+    if not blocks:
+        return np.empty((0, width), dtype=_WORD)
+    stacked = torch.cat(list(blocks)) if len(blocks) > 1 else blocks[0]  # [R, W]
+    return np.ascontiguousarray(stacked.numpy(), dtype=_WORD)
 
 
 def decode_masks(reply: pb.FillMasksReply, entries: Sequence[MaskEntry]) -> list[MaskOutcome]:
-    """Unpack a FillMasks reply into per-entry outcomes with int32 [R, W] mask tensors."""
+    """Unpack a FillMasks reply into per-entry outcomes with int32 [R, W] mask tensors (views of one tensor)."""
     if len(reply.results) != len(entries):
         raise GrammarProtocolError(
             Refusal.INTERNAL, f"FillMasks answered {len(reply.results)} entries, {len(entries)} were asked"
@@ -158,18 +169,28 @@ def decode_masks(reply: pb.FillMasksReply, entries: Sequence[MaskEntry]) -> list
     width = reply.words_per_row
     if any(len(data) != width * _WORD.itemsize for data in reply.rows):
         raise GrammarProtocolError(Refusal.INTERNAL, f"FillMasks sent a mask row that is not {width} words long")
-    rows = [torch.from_numpy(np.frombuffer(data, dtype=_WORD).astype(np.int32)) for data in reply.rows]  # [W] each
-    return [_decode_one(result, entry, rows, width) for result, entry in zip(reply.results, entries, strict=True)]
+    distinct = len(reply.rows)
+    # The distinct rows, then one all-allowed row that the -1 reference points at.
+    table = np.empty((distinct + 1, width), dtype=np.int32)  # [D + 1, W]
+    table[:distinct] = np.frombuffer(b"".join(reply.rows), dtype=_WORD).reshape(distinct, width)
+    table[distinct] = -1
+    refs: list[int] = []
+    sizes: list[int] = []
+    for result, entry in zip(reply.results, entries, strict=True):
+        if result.code == pb.OK:
+            got = list(result.row_refs)
+            if len(got) != entry.num_rows or min(got) < FULL_ROW_REF or max(got) >= distinct:
+                raise GrammarProtocolError(Refusal.INTERNAL, f"{entry.request_id}: malformed mask row references {got}")
+            refs.extend(got)
+            sizes.append(len(got))
+    picked = np.asarray(refs, dtype=np.int64)  # [N]
+    picked[picked == FULL_ROW_REF] = distinct
+    answers = iter(torch.from_numpy(table[picked]).split(sizes))  # [R_i, W] views, entry by entry
+    return [_decode_one(result, entry, answers) for result, entry in zip(reply.results, entries, strict=True)]
 
 
-def _decode_one(result: pb.MaskResult, entry: MaskEntry, rows: list[torch.Tensor], width: int) -> MaskOutcome:
+def _decode_one(result: pb.MaskResult, entry: MaskEntry, answers: Iterator[torch.Tensor]) -> MaskOutcome:
     if result.code != pb.OK:
         return MaskOutcome(None, refusal_from_code(result.code, entry.request_id), result.message)
-    refs = list(result.row_refs)
-    if len(refs) != entry.num_rows or any(not FULL_ROW_REF <= r < len(rows) for r in refs):
-        raise GrammarProtocolError(Refusal.INTERNAL, f"{entry.request_id}: malformed mask row references {refs}")
-    words = torch.full((len(refs), width), -1, dtype=torch.int32)  # [R, W]: all allowed unless a row says less
-    for i, ref in enumerate(refs):
-        if ref != FULL_ROW_REF:
-            words[i] = rows[ref]
-    return MaskOutcome(MaskRows(words, tuple(ref == FULL_ROW_REF for ref in refs)))
+    words = next(answers)  # [R, W]
+    return MaskOutcome(MaskRows(words, tuple(ref == FULL_ROW_REF for ref in result.row_refs)))
