@@ -215,6 +215,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--served-model-name", default=None, help="model id clients use (default: chosen by the scheduler)"
     )
     _add_engine_tuning_args(serve)
+    serve.add_argument_group("grammar").add_argument(
+        "--loose-json-schema",
+        action="store_true",
+        help="the grammar service compiles JSON schemas as given, even with keywords xgrammar does not enforce "
+        "exactly (outputs may then violate the schema); by default such schemas are refused",
+    )
     obs = serve.add_argument_group("observability and process control")
     obs.add_argument(
         "--metrics-port",
@@ -424,6 +430,8 @@ def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg
     common = [*model, *engine_argv(args)]
 
     grammar_argv = [*model, "--port", str(args.grammar_port)]
+    if args.loose_json_schema:
+        grammar_argv.append("--loose-json-schema")
     grammar_port = _start_grpc_service(sup, "grammar", grammar_argv, local, args.startup_timeout)
     grammar = ["--grammar", _hostport(local, grammar_port)]
 

@@ -2,7 +2,8 @@
 
 :class:`Constraint` names a grammar; :class:`ConstraintCompiler` compiles it (cached, off the caller's thread,
 bounded); :class:`VersionedMatcher` is one request's grammar state at its ordinal; :class:`GrammarRegistry`
-holds every open matcher and fences mask requests to the exact version they name.
+holds every open matcher and fences mask requests to the exact version they name. :class:`JsonSchemaPolicy`
+rewrites a JSON schema into a form xgrammar enforces exactly, or refuses it.
 """
 
 from engine.grammar.compiler import (
@@ -33,6 +34,7 @@ from engine.grammar.registry import (
     MaskOutcome,
     MaskRows,
 )
+from engine.grammar.schema import JsonSchemaPolicy, PolicyOutcome, Unenforced, UnenforcedSchemaError
 
 __all__ = [
     "CommitEntry",
@@ -49,12 +51,16 @@ __all__ = [
     "GrammarRegistry",
     "GrammarTimeoutError",
     "InvalidGrammarError",
+    "JsonSchemaPolicy",
     "MaskEntry",
     "MaskFence",
     "MaskOutcome",
     "MaskRows",
     "MatcherState",
+    "PolicyOutcome",
     "Refusal",
+    "Unenforced",
+    "UnenforcedSchemaError",
     "VersionedMatcher",
     "load_tokenizer_info",
     "words_per_row",

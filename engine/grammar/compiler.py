@@ -6,6 +6,12 @@ to a small pool and returns a future; :meth:`ConstraintCompiler.compile` waits f
 are cached by :attr:`Constraint.cache_key` and in-flight compiles are shared, so a burst of requests with the
 same schema (a tool list, ``json_object``) compiles it once. A grammar xgrammar refuses is cached as well: its
 refusal is as deterministic as a success, and recompiling it per request would only cost time.
+
+A JSON schema first goes through :class:`~engine.grammar.schema.JsonSchemaPolicy` (unless the compiler is
+configured loose): xgrammar 0.2.9 compiles some keywords into a grammar looser than the schema, so the schema is
+rewritten into a form xgrammar enforces exactly, or refused with the keywords and places it would not enforce.
+The constraint's text stays as the request gave it; only what xgrammar compiles is rewritten. One compiler has one
+config, so the cache key (the constraint's) needs nothing more.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xgrammar as xgr
 
 from engine.errors import CheckpointError, InvalidRequestError
 from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.grammar.schema import JsonSchemaPolicy, UnenforcedSchemaError
 
 BITS_PER_WORD = 32
 
@@ -102,11 +109,15 @@ class CompiledConstraint:
 
 @dataclass(frozen=True)
 class CompilerConfig:
-    """How much compiling may run at once and how many compiled grammars are kept."""
+    """How much compiling may run at once, how many compiled grammars are kept, and how JSON schemas are read."""
 
     workers: int = 2  # constraints compiled concurrently
     threads_per_compile: int = 2  # xgrammar's own threads inside one compile
     cache_entries: int = 512
+    # True: a JSON schema is enforced exactly or refused (JsonSchemaPolicy). False: it goes to xgrammar as given,
+    # which accepts every schema but enforces some keywords loosely (SGLang's behaviour).
+    strict_json_schema: bool = True
+    json_schema_policy: JsonSchemaPolicy = field(default_factory=JsonSchemaPolicy)
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.threads_per_compile < 1 or self.cache_entries < 1:
@@ -195,6 +206,8 @@ class ConstraintCompiler:
         start = time.perf_counter()
         try:
             grammar = self._compile_xgrammar(constraint)
+        except InvalidGrammarError:
+            raise  # the JSON-schema policy's refusal, already in its final words
         except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's refusals, whatever the language
             raise InvalidGrammarError(constraint.kind, clean_reason(str(error))) from None
         return CompiledConstraint(constraint, grammar, time.perf_counter() - start)
@@ -202,12 +215,21 @@ class ConstraintCompiler:
     def _compile_xgrammar(self, constraint: Constraint) -> xgr.CompiledGrammar:
         kind, text = constraint.kind, constraint.text
         if kind is ConstraintKind.JSON_SCHEMA:
-            return self._xgr.compile_json_schema(text)
+            return self._xgr.compile_json_schema(self._json_schema_text(text))
         if kind is ConstraintKind.REGEX:
             return self._xgr.compile_regex(text)
         if kind is ConstraintKind.EBNF:
             return self._xgr.compile_grammar(text)
         return self._xgr.compile_structural_tag(text)
+
+    def _json_schema_text(self, text: str) -> str:
+        """What xgrammar compiles for a JSON-schema constraint: the policy's rewrite, or the text as given."""
+        if not self._config.strict_json_schema:
+            return text
+        try:
+            return self._config.json_schema_policy.prepare(text)
+        except UnenforcedSchemaError as error:
+            raise InvalidGrammarError(ConstraintKind.JSON_SCHEMA, str(error)) from None
 
     def _evict_locked(self) -> None:
         """Drop the least recently used finished compiles beyond the cap; in-flight ones are never dropped."""

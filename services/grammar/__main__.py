@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(defaults.fence_deadline_s * 1000),
         help="how long a mask waits for its commit when a request leaves deadline_ms unset",
     )
+    parser.add_argument(
+        "--loose-json-schema",
+        action="store_true",
+        help="compile JSON schemas as given, even those using keywords xgrammar does not enforce exactly "
+        "(uniqueItems, overlapping oneOf, ...): outputs may then violate the schema; by default such schemas are "
+        "refused with the keywords and places named",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level")
     return parser
 
@@ -64,7 +71,8 @@ async def serve(compiler: ConstraintCompiler, host: str, port: int, config: Gram
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    compiler = ConstraintCompiler.from_model_dir(model_dir(args), CompilerConfig(workers=args.compile_workers))
+    compiler_config = CompilerConfig(workers=args.compile_workers, strict_json_schema=not args.loose_json_schema)
+    compiler = ConstraintCompiler.from_model_dir(model_dir(args), compiler_config)
     config = GrammarServiceConfig(fence_deadline_s=args.fence_deadline_ms / 1000.0, workers=args.workers)
     try:
         asyncio.run(serve(compiler, args.host, args.port, config))

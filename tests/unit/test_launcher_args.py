@@ -111,15 +111,16 @@ def test_serve_defaults_are_the_documented_interface() -> None:
     assert (args.grammar_port, args.grammar_overlap) == (30002, "on")
     assert args.no_gateway is False and args.model is None and args.served_model_name is None
     assert args.metrics_port == DEFAULT_METRICS_PORT and args.log_level == "INFO"
+    assert args.loose_json_schema is False
     assert engine_config(args) == EngineConfig()
 
 
 def test_serve_flags_parse() -> None:
     argv = "serve --model /x --host 0.0.0.0 --port 1 --gateway-port 2 --executor-port 3 --no-gateway --page-size 8 "
     argv += "--num-pages 9 --chunk-size 10 --no-overlap --metrics-port 4 --served-model-name m --log-level debug "
-    argv += "--grammar-port 5 --grammar-overlap off"
+    argv += "--grammar-port 5 --grammar-overlap off --loose-json-schema"
     args = build_parser().parse_args(argv.split())
-    assert args.grammar_port == 5 and engine_config(args).grammar_overlap is False
+    assert args.grammar_port == 5 and engine_config(args).grammar_overlap is False and args.loose_json_schema
     assert (args.host, args.port, args.gateway_port, args.executor_port, args.metrics_port) == ("0.0.0.0", 1, 2, 3, 4)
     assert args.no_gateway and args.no_overlap and args.served_model_name == "m" and args.log_level == "DEBUG"
     assert engine_config(args).page_size == 8 and engine_config(args).num_pages == 9
@@ -344,8 +345,16 @@ def test_executor_subcommand_execs_the_service_module() -> None:
     assert "--grammar HOST:PORT" in done.stdout and "--grammar-overlap" in done.stdout
 
 
+def test_grammar_service_reads_json_schemas_strictly_unless_told_loose() -> None:
+    from services.grammar.__main__ import build_parser as grammar_parser
+
+    assert grammar_parser().parse_args([]).loose_json_schema is False
+    assert grammar_parser().parse_args(["--loose-json-schema"]).loose_json_schema is True
+
+
 def test_grammar_subcommand_execs_the_service_module() -> None:
     cmd = [sys.executable, "-m", "services.launcher", "grammar", "--help"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "python -m services.grammar" in done.stdout and "--fence-deadline-ms" in done.stdout
+    assert "--loose-json-schema" in done.stdout
