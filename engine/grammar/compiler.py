@@ -215,12 +215,24 @@ class ConstraintCompiler:
     def _compile_xgrammar(self, constraint: Constraint) -> xgr.CompiledGrammar:
         kind, text = constraint.kind, constraint.text
         if kind is ConstraintKind.JSON_SCHEMA:
-            return self._xgr.compile_json_schema(self._json_schema_text(text))
+            return self._compile_json_schema(text)
         if kind is ConstraintKind.REGEX:
             return self._xgr.compile_regex(text)
         if kind is ConstraintKind.EBNF:
             return self._xgr.compile_grammar(text)
         return self._xgr.compile_structural_tag(text)
+
+    def _compile_json_schema(self, text: str) -> xgr.CompiledGrammar:
+        prepared = self._json_schema_text(text)
+        try:
+            return self._xgr.compile_json_schema(prepared)
+        except (RuntimeError, ValueError, TypeError):
+            if prepared is not text:
+                # The client should read xgrammar's reason about the schema they wrote ("minimum greater than
+                # maximum"), not about our rewrite of it ("Schema 'false' cannot accept any value"): compile the
+                # original once more, only on this failure path; if it compiles after all, the rewrite's error stands.
+                self._xgr.compile_json_schema(text)
+            raise
 
     def _json_schema_text(self, text: str) -> str:
         """What xgrammar compiles for a JSON-schema constraint: the policy's rewrite, or the text as given."""
