@@ -22,7 +22,7 @@ import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +46,12 @@ from protos import executor_pb2
 from services.executor import convert as executor_convert
 from services.executor.server import ExecutorThread
 from services.grammar.server import GrammarThread
-from services.grammar_client import GrammarClient, RemoteGrammar
+from services.grammar_client import GrammarClient
 from services.remote_runner import RemoteRunner
 from services.scheduler.server import ThreadedServer
+from tests.e2e.split import TIMEOUT, Stack, split_stack
 from tests.e2e.stack import wait_for_idle_load
 
-TIMEOUT = 60.0
 WEATHER: dict[str, Any] = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["c", "f"]}},
@@ -90,45 +90,6 @@ def grammar_service(model_dir: str) -> Iterator[str]:
     finally:
         server.stop()
         compiler.shutdown()
-
-
-@dataclass
-class Stack:
-    """One split stack's public stub, its engine, and where its grammar service and executor listen."""
-
-    stub: pb_grpc.SglangSchedulerStub
-    engine: Engine
-    grammar: str
-    executor: str
-
-
-@contextmanager
-def split_stack(config: EngineConfig, grammar: str, executor_grammar: str | None = None) -> Iterator[Stack]:
-    """Executor and scheduler over gRPC, both on the grammar service ``grammar`` (the executor on
-    ``executor_grammar`` instead when given)."""
-    vocab = load_vocab_size(config)
-    masks = RemoteGrammar.connect(executor_grammar or grammar, TIMEOUT, vocab_size=vocab)
-    runner = ModelRunner.load(config, masks)
-    executor = ExecutorThread(runner)
-    target = f"127.0.0.1:{executor.port}"
-    commits = RemoteGrammar.connect(grammar, TIMEOUT, vocab_size=vocab)
-    engine = Engine(config, RemoteRunner.connect(target, timeout=TIMEOUT), grammar=commits)
-    server = ThreadedServer(engine, executor=target, grammar=grammar)
-    try:
-        port = server.start()
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Stack(pb_grpc.SglangSchedulerStub(channel), engine, grammar, target)
-    finally:
-        server.stop()
-        engine.shutdown()
-        commits.close()
-        executor.stop()
-        runner.shutdown()
-        masks.close()
-
-
-def load_vocab_size(config: EngineConfig) -> int:
-    return int(json.loads(Path(str(config.model_path), "config.json").read_text())["vocab_size"])
 
 
 @pytest.fixture(scope="module")

@@ -36,19 +36,15 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.grammar import CompilerConfig, ConstraintCompiler, JsonSchemaPolicy, load_tokenizer_info
 from engine.grammar.constraint import Constraint, ConstraintKind
 from engine.model.tokenizer import Tokenizer
 from engine.request import RequestOutput
-from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.stop import AbortCause, FinishReason
-from services.executor.server import ExecutorThread
 from services.grammar.server import GrammarThread
-from services.grammar_client import GrammarClient, RemoteGrammar
-from services.remote_runner import RemoteRunner
-from services.scheduler.server import ThreadedServer
+from services.grammar_client import GrammarClient
+from tests.e2e.split import Stack, split_stack
 
 pytestmark = pytest.mark.slow
 
@@ -92,38 +88,17 @@ class FreshMatchers:
 # ---------------------------------------------------------------------------------------------------- the stack
 
 
-@dataclass
-class Split:
-    engine: Engine
-    grammar: str
-    stub: pb_grpc.SglangSchedulerStub
-
-
 @pytest.fixture(scope="module")
-def split(files: list[Path], embedded_model_dir: Path) -> Iterator[Split]:
-    model = str(embedded_model_dir)
-    config = EngineConfig(model_path=model, page_size=16, num_pages=4096, max_running=160, chunk_size=512)
-    vocab = int(json.loads((embedded_model_dir / "config.json").read_text())["vocab_size"])
-    compiler = ConstraintCompiler.from_model_dir(model, CompilerConfig(workers=2))
+def split(files: list[Path], embedded_model_dir: Path) -> Iterator[Stack]:
+    config = EngineConfig(
+        model_path=str(embedded_model_dir), page_size=16, num_pages=4096, max_running=160, chunk_size=512
+    )
+    compiler = ConstraintCompiler.from_model_dir(str(embedded_model_dir), CompilerConfig(workers=2))
     grammar = GrammarThread(compiler)
-    target = f"127.0.0.1:{grammar.port}"
-    masks = RemoteGrammar.connect(target, 60, vocab_size=vocab)
-    runner = ModelRunner.load(config, masks)
-    executor = ExecutorThread(runner)
-    commits = RemoteGrammar.connect(target, 60, vocab_size=vocab)
-    engine = Engine(config, RemoteRunner.connect(f"127.0.0.1:{executor.port}", timeout=60), grammar=commits)
-    server = ThreadedServer(engine, executor=f"127.0.0.1:{executor.port}", grammar=target)
     try:
-        port = server.start()
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Split(engine, target, pb_grpc.SglangSchedulerStub(channel))
+        with split_stack(config, f"127.0.0.1:{grammar.port}") as stack:
+            yield stack
     finally:
-        server.stop()
-        engine.shutdown()
-        commits.close()
-        executor.stop()
-        runner.shutdown()
-        masks.close()
         grammar.stop()
         compiler.shutdown()
 
@@ -156,7 +131,7 @@ def validation_error(schema: Any, text: str) -> str | None:
 
 
 def test_every_schema_compiles_or_is_refused_and_outputs_follow_it(
-    files: list[Path], split: Split, embedded_model_dir: Path, capsys: pytest.CaptureFixture[str]
+    files: list[Path], split: Stack, embedded_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     texts = [f.read_text(encoding="utf-8") for f in files]
     tokenizer = Tokenizer.from_dir(embedded_model_dir)
@@ -206,7 +181,7 @@ class Verdict:
     note: str | None = None
 
 
-def judge(split: Split, fresh: FreshMatchers, tokenizer: Tokenizer, text: str, out: RequestOutput) -> Verdict:
+def judge(split: Stack, fresh: FreshMatchers, tokenizer: Tokenizer, text: str, out: RequestOutput) -> Verdict:
     finish = out.finish
     assert finish is not None
     ids = list(out.output_ids or ())
@@ -220,7 +195,7 @@ def judge(split: Split, fresh: FreshMatchers, tokenizer: Tokenizer, text: str, o
     return Verdict("other", f"unexpected finish {finish}")
 
 
-def judge_refused(split: Split, text: str, message: str) -> Verdict:
+def judge_refused(split: Stack, text: str, message: str) -> Verdict:
     reason = message.split("invalid grammar: ", 1)[-1]
     details = refused_by_public_api(split.stub, text)
     if details != f"sampling_params.json_schema: invalid grammar: {reason}":
