@@ -6,7 +6,8 @@ forward runs); constrained with early commit (``grammar_overlap=False``). ``--st
 all times: a new one is submitted whenever one finishes. Constrained requests each follow one JSON schema, cycled
 from a built-in set or from ``--schemas DIR`` (``*.json`` files, e.g. a JSONSchemaBench folder). The modes run
 in interleaved rounds, so that load from outside the benchmark slows each of them alike; the table shows the best
-and the median round.
+and the median round, and the paired ratio: the median over rounds of a mode's rate against the unconstrained rate
+of the same round, the steadiest of the three on a shared machine.
 
 Per step with constrained rows it reports how long the executor waited for its masks after the forward (the
 cost delayed sampling does not hide), how long the batched ``fill_masks`` call took from its start (fence wait
@@ -51,14 +52,14 @@ from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import words_per_row
 from engine.grammar.constraint import Constraint, ConstraintKind
 from engine.grammar.masks import PendingMasks, StepMasks
-from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskOutcome
+from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals
 from engine.model.embedded import ensure_embedded_model
 from engine.request import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.step import StepEntry
 from engine.stop import FinishReason
-from services.grammar.convert import encode_masks
+from services.grammar.convert import MaskAnswer, encode_masks, mask_answers
 
 BUILTIN_SCHEMAS: tuple[dict[str, object], ...] = (
     {
@@ -103,13 +104,13 @@ class GrammarCosts:
 
     mask_waits_s: list[float] = field(default_factory=list)
     fill_calls_s: list[float] = field(default_factory=list)
-    replies: list[list[MaskOutcome]] = field(default_factory=list)
+    replies: list[tuple[torch.Tensor, list[MaskAnswer]]] = field(default_factory=list)  # (step bitmask, answers)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def reply_bytes(self, words: int) -> list[int]:
+    def reply_bytes(self) -> list[int]:
         """Bytes of the FillMasks reply the grammar service would send for each recorded step (sized after the run,
         so that packing does not slow the run down)."""
-        return [encode_masks(outcomes, words).ByteSize() for outcomes in self.replies]
+        return [encode_masks(out, answers).ByteSize() for out, answers in self.replies]
 
 
 class TimedGrammar:
@@ -125,13 +126,15 @@ class TimedGrammar:
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         return self.inner.commit(entries)
 
-    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
         started = time.perf_counter()
-        outcomes = self.inner.fill_masks(entries, deadline_s)
+        refusals = self.inner.fill_masks_into(entries, deadline_s, out, starts)
         with self.costs.lock:
             self.costs.fill_calls_s.append(time.perf_counter() - started)
-            self.costs.replies.append(outcomes)
-        return outcomes
+            self.costs.replies.append((out, mask_answers(entries, starts, refusals)))
+        return refusals
 
     def release(self, request_ids: Sequence[str]) -> None:
         self.inner.release(request_ids)
@@ -195,6 +198,11 @@ class Tally:
     @property
     def median(self) -> float:
         return statistics.median(self.rates)
+
+    def paired_ratio(self, base: Tally) -> float:
+        """Median over rounds of this round's rate / the base mode's rate in the same round. Rounds run back to
+        back, so a slow spell of the machine hits both sides of a pair: steadier than ratios of best or median."""
+        return statistics.median(mine / theirs for mine, theirs in zip(self.rates, base.rates, strict=True))
 
     @property
     def cpu_ms_per_token(self) -> float:
@@ -389,8 +397,8 @@ def run_split(
     print_rates([m.tally for m in modes])
     print(
         f"\n{args.rounds} interleaved rounds per mode at {args.streams} streams through the gRPC services "
-        "(grammar service, executor, scheduler: separate processes); ratio: vs unconstrained. CPU: every service "
-        "process."
+        "(grammar service, executor, scheduler: separate processes); ratio: vs unconstrained (paired: median of "
+        "per-round ratios). CPU: every service process."
     )
 
 
@@ -405,14 +413,15 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 RATE_HEADER = (
-    f"{'mode':<31}{'tok/s best':>11}{'ratio':>7}{'tok/s med':>10}{'ratio':>7}{'CPU ms/tok':>11}{'ratio':>7}"
-    f"{'out/req':>8}{'stop%':>6}"
+    f"{'mode':<31}{'tok/s best':>11}{'ratio':>7}{'tok/s med':>10}{'ratio':>7}{'paired':>8}{'CPU ms/tok':>11}"
+    f"{'ratio':>7}{'out/req':>8}{'stop%':>6}"
 )
 
 
 def rate_cells(t: Tally, base: Tally) -> str:
     return (
         f"{t.name:<31}{t.best:>11.1f}{t.best / base.best:>6.2f}x{t.median:>10.1f}{t.median / base.median:>6.2f}x"
+        f"{t.paired_ratio(base):>7.2f}x"
         f"{t.cpu_ms_per_token:>11.2f}{t.cpu_ms_per_token / base.cpu_ms_per_token:>6.2f}x"
         f"{t.output_tokens / t.requests:>8.1f}{100 * t.finished_by_stop / t.requests:>5.0f}%"
     )
@@ -436,16 +445,17 @@ def print_table(modes: Sequence[Mode], streams: int) -> None:
         if c.mask_waits_s:
             waits = f"{percentile(c.mask_waits_s, 0.5) * 1e3:.2f}/{percentile(c.mask_waits_s, 0.99) * 1e3:.2f}"
             fills = f"{percentile(c.fill_calls_s, 0.5) * 1e3:.2f}/{percentile(c.fill_calls_s, 0.99) * 1e3:.2f}"
-            sizes = c.reply_bytes(mode.words)
+            sizes = c.reply_bytes()
             reply = f"{statistics.median(sizes):.0f}/{max(sizes)}"
         print(f"{rate_cells(mode.tally, base)}{waits:>17}{fills:>17}{reply:>22}")
-    rows = [len(outcomes) for outcomes in modes[1].costs.replies]
+    rows = [len(answers) for _, answers in modes[1].costs.replies]
     print(
-        f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; ratio: vs unconstrained. CPU: this "
-        "process, all threads (grammar work competes with a CPU forward for the same cores). wait: the "
-        "executor blocked on masks after the forward; fill: one batched fill_masks call (fence wait + masks, "
-        f"overlapped with the forward). Constrained rows per mask step: median {statistics.median(rows):.0f}, max "
-        f"{max(rows)}; a mask row is {modes[0].words} int32 words ({modes[0].words * 4} B) for this vocabulary."
+        f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; ratio: vs unconstrained (paired: "
+        "median of per-round ratios). CPU: this process, all threads (grammar work competes with a CPU forward for "
+        "the same cores). wait: the executor blocked on masks after the forward; fill: one batched fill_masks "
+        "call (fence wait + masks, overlapped with the forward). Constrained rows per mask step: median "
+        f"{statistics.median(rows):.0f}, max {max(rows)}; a mask row is {modes[0].words} int32 words "
+        f"({modes[0].words * 4} B) for this vocabulary."
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,14 @@ _MIN_TEMPERATURE = 1e-5
 # Exp(1) noise of exactly 0 would turn probs / noise into inf or nan; the smallest normal float avoids it.
 _MIN_NOISE = torch.finfo(torch.float32).tiny
 _BITS_PER_WORD = 32
+
+
+def _byte_caps(device: torch.device) -> torch.Tensor:
+    """[256, 8] float32: for each byte value, +inf at the bits that are set and -inf at the others (bit 0 first)."""
+    if sys.byteorder != "little":  # _caps reads the words' bytes in memory order
+        raise RuntimeError("grammar bitmasks are read as little-endian words; this host is big-endian")
+    bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1  # [256, 8]
+    return torch.where(bits.bool(), float("inf"), float("-inf")).to(device)  # [256, 8]
 
 
 @dataclass(frozen=True)
@@ -147,7 +156,7 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self._shifts = torch.arange(_BITS_PER_WORD, dtype=torch.int32, device=self.device)  # [32]
+        self._byte_caps = _byte_caps(self.device)  # [256, 8]
 
     def sample(
         self, logits: torch.Tensor, states: Sequence[SamplingState], bitmask: torch.Tensor | None = None
@@ -193,7 +202,7 @@ class Sampler:
         x = raw[:, : self.vocab_size].float().clone()  # [B, V]; raw may be a view of the runner's logits
         self._apply_bias(x, states)
         if bitmask is not None:
-            x.masked_fill_(~self._unpack(bitmask), float("-inf"))
+            torch.minimum(x, self._caps(bitmask), out=x)  # disallowed tokens -> -inf, the others unchanged
         self._apply_min_new(x, states)
         self._apply_penalties(x, states)
         return x
@@ -208,12 +217,15 @@ class Sampler:
         values = torch.cat([values for _, values in biases])  # [N]
         x.index_put_((row_idx, ids), values, accumulate=True)
 
-    def _unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """xgrammar layout → allowed mask: bit j of word i set ⇔ token i*32+j allowed."""
-        words = bitmask.to(device=self.device, dtype=torch.int32)  # [B, W]
-        # Arithmetic shift keeps the sign bit, but "& 1" extracts bit 31 correctly either way.
-        bits = (words.unsqueeze(-1) >> self._shifts) & 1  # [B, W, 32]
-        return bits.reshape(words.shape[0], -1)[:, : self.vocab_size].bool()  # [B, V]
+    def _caps(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """xgrammar layout -> per-token cap [B, V]: +inf where allowed (bit j of word i set <=> token 32i + j), -inf
+        where not. One table lookup per byte of the words instead of unpacking 32 bits per word with shifts."""
+        words = bitmask.to(device=self.device, dtype=torch.int32).contiguous()  # [B, W]
+        # Viewed as bytes, word i of a little-endian host is bytes 4i..4i+3, lowest bits first: byte k holds tokens
+        # 8k..8k+7, so the table's row for its value is exactly its 8 tokens' caps.
+        octets = words.view(torch.uint8).int()  # [B, 4W]
+        caps = torch.nn.functional.embedding(octets, self._byte_caps)  # [B, 4W, 8]
+        return caps.reshape(words.shape[0], -1)[:, : self.vocab_size]  # [B, V]
 
     def _apply_min_new(self, x: torch.Tensor, states: Sequence[SamplingState]) -> None:
         rows = [(r, s.min_new_banned) for r, s in enumerate(states) if s.min_new_active]

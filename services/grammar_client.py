@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import grpc
+import torch
 
 from engine.grammar import (
     CommitEntry,
@@ -29,6 +30,7 @@ from engine.grammar import (
     InvalidGrammarError,
     MaskEntry,
     MaskOutcome,
+    MaskRefusals,
     Refusal,
 )
 from protos import grammar_pb2 as pb
@@ -82,6 +84,10 @@ def _open_request(entries: Sequence[tuple[str, Constraint]], deadline_s: float |
         entries=[pb.OpenEntry(request_id=rid, constraint=convert.constraint_to_proto(c)) for rid, c in entries],
         deadline_ms=_ms(deadline_s),
     )
+
+
+def _fill_request(entries: Sequence[MaskEntry], deadline_s: float | None) -> pb.FillMasksRequest:
+    return pb.FillMasksRequest(entries=[convert.mask_entry_to_proto(e) for e in entries], deadline_ms=_ms(deadline_s))
 
 
 def _open_outcomes(reply: pb.OpenReply, entries: Sequence[tuple[str, Constraint]]) -> list[OpenOutcome]:
@@ -169,11 +175,15 @@ class GrammarClient:
 
     def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float | None = None) -> list[MaskOutcome]:
         """Fenced masks; ``deadline_s`` is how long an entry may wait for its commit (None: the server's default)."""
-        request = pb.FillMasksRequest(
-            entries=[convert.mask_entry_to_proto(e) for e in entries], deadline_ms=_ms(deadline_s)
-        )
-        reply = self._stub.FillMasks(request, timeout=self._timeout_s + (deadline_s or 0))
+        reply = self._stub.FillMasks(_fill_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
         return convert.decode_masks(reply, entries)
+
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float | None, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        """Fenced masks written straight into ``out`` [N, W] (entry i's rows from ``starts[i]``); the refusals."""
+        reply = self._stub.FillMasks(_fill_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
+        return convert.decode_masks_into(reply, entries, out, starts)
 
     def release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
         reply = self._stub.Release(pb.ReleaseRequest(request_ids=list(request_ids)), timeout=self._timeout_s)
@@ -213,9 +223,7 @@ class AsyncGrammarClient:
         return _commit_outcomes(reply, entries)
 
     async def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float | None = None) -> list[MaskOutcome]:
-        request = pb.FillMasksRequest(
-            entries=[convert.mask_entry_to_proto(e) for e in entries], deadline_ms=_ms(deadline_s)
-        )
+        request = _fill_request(entries, deadline_s)
         reply = await self._stub.FillMasks(request, timeout=self._timeout_s + (deadline_s or 0))
         return convert.decode_masks(reply, entries)
 
@@ -291,8 +299,10 @@ class RemoteGrammar:
             log.warning("grammar commit of %d entries failed: %s", len(entries), message)
             return [CommitOutcome(None, Refusal.INTERNAL, message) for _ in entries]
 
-    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
-        return self._client.fill_masks(entries, deadline_s)
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        return self._client.fill_masks_into(entries, deadline_s, out, starts)
 
     def release(self, request_ids: Sequence[str]) -> None:
         if not request_ids:

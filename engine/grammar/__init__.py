@@ -32,7 +32,10 @@ from engine.grammar.registry import (
     MaskEntry,
     MaskFence,
     MaskOutcome,
+    MaskRefusals,
     MaskRows,
+    mask_outcomes,
+    mask_starts,
 )
 from engine.grammar.schema import JsonSchemaPolicy, PolicyOutcome, Unenforced, UnenforcedSchemaError
 
@@ -55,6 +58,7 @@ __all__ = [
     "MaskEntry",
     "MaskFence",
     "MaskOutcome",
+    "MaskRefusals",
     "MaskRows",
     "MatcherState",
     "PolicyOutcome",
@@ -63,5 +67,7 @@ __all__ = [
     "UnenforcedSchemaError",
     "VersionedMatcher",
     "load_tokenizer_info",
+    "mask_outcomes",
+    "mask_starts",
     "words_per_row",
 ]

@@ -11,9 +11,11 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
+import torch
+
 from engine.grammar.compiler import ConstraintCompiler
 from engine.grammar.constraint import Constraint
-from engine.grammar.registry import CommitEntry, CommitOutcome, GrammarRegistry, MaskEntry, MaskOutcome
+from engine.grammar.registry import CommitEntry, CommitOutcome, GrammarRegistry, MaskEntry, MaskRefusals
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 
@@ -26,7 +28,12 @@ class GrammarBackend(Protocol):
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]: ...
 
-    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]: ...
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        """Fenced masks (C3) written into ``out`` [N, W] (entry i's rows from row ``starts[i]``); returns the
+        refused entries by index. Raises only when the whole call fails (the service is unreachable)."""
+        ...
 
     def release(self, request_ids: Sequence[str]) -> None: ...
 
@@ -59,8 +66,10 @@ class LocalGrammar:
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         return self.registry.commit(entries)
 
-    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
-        return self.registry.fill_masks(entries, deadline_s)
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        return self.registry.fill_masks_into(entries, deadline_s, out, starts)
 
     def release(self, request_ids: Sequence[str]) -> None:
         self.registry.release(request_ids)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.grammar.backend import GrammarBackend
-from engine.grammar.registry import MaskEntry, MaskOutcome
+from engine.grammar.registry import MaskEntry, MaskRefusals
 from engine.step import StepEntry
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
@@ -28,31 +28,22 @@ class StepMasks:
 
 
 class PendingMasks:
-    def __init__(self, future: Future[list[MaskOutcome]], rows: list[int], num_rows: int, words: int) -> None:
+    """A step's masks being written into its bitmask by the fetch thread; :meth:`result` waits for them."""
+
+    def __init__(self, future: Future[MaskRefusals], bitmask: torch.Tensor, rows: list[int]) -> None:
         self._future = future
+        self._bitmask = bitmask
         self._rows = rows
-        self._num_rows = num_rows
-        self._words = words
 
     def result(self, device: torch.device) -> StepMasks:
-        bitmask = torch.full((self._num_rows, self._words), ALL_ALLOWED, dtype=torch.int32)  # [B, W]
-        errors: dict[int, str] = {}
         try:
-            outcomes = self._future.result()
+            refusals = self._future.result()
         except Exception as exc:  # the grammar service is unreachable: these rows cannot be sampled correctly
-            return StepMasks(bitmask.to(device), {row: f"grammar masks unavailable: {exc}" for row in self._rows})
-        filled: list[int] = []
-        words: list[torch.Tensor] = []
-        for row, outcome in zip(self._rows, outcomes, strict=True):
-            if outcome.rows is None:
-                code = outcome.refusal.value if outcome.refusal is not None else "error"
-                errors[row] = f"grammar mask refused ({code}): {outcome.message}"
-            else:
-                filled.append(row)
-                words.append(outcome.rows.words[:1])  # [1, W]
-        if filled:
-            bitmask[filled] = torch.cat(words)  # [F, W] into their sampling rows, one copy
-        return StepMasks(bitmask.to(device), errors)
+            return StepMasks(self._bitmask.to(device), {row: f"grammar masks unavailable: {exc}" for row in self._rows})
+        errors = {
+            self._rows[i]: f"grammar mask refused ({code.value}): {message}" for i, (code, message) in refusals.items()
+        }
+        return StepMasks(self._bitmask.to(device), errors)
 
 
 class MaskFetcher:
@@ -70,8 +61,13 @@ class MaskFetcher:
         if not rows:
             return None
         entries = [MaskEntry(sampling[i].request_id, sampling[i].ordinal) for i in rows]
-        future = self._pool.submit(self._backend.fill_masks, entries, self._wait_s)
-        return PendingMasks(future, rows, len(sampling), self._words)
+        # Rows without a grammar allow everything; the fetch writes each constrained row in place, where the
+        # sampler reads it, so no per-row answer is built or copied.
+        # A normal tensor even when the runner steps under inference mode: the fetch thread writes it in place.
+        with torch.inference_mode(False):
+            bitmask = torch.full((len(sampling), self._words), ALL_ALLOWED, dtype=torch.int32)  # [B, W]
+        future = self._pool.submit(self._backend.fill_masks_into, entries, self._wait_s, bitmask, rows)
+        return PendingMasks(future, bitmask, rows)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -255,6 +255,12 @@ class VersionedMatcher:
 
     def _check_commit(self, from_ordinal: int) -> None:
         here = self._ordinal
+        if (
+            from_ordinal == here
+            and self._state is not MatcherState.RELEASED
+            and self._state is not MatcherState.REJECTED
+        ):
+            return  # the common case, decided in two comparisons
         if self._state is MatcherState.RELEASED:
             raise GrammarProtocolError(Refusal.RELEASED, f"{self._name}: commit after release")
         if from_ordinal < here:
@@ -327,20 +333,22 @@ class VersionedMatcher:
 
 
 def fill_mask_rows(
-    requests: Sequence[tuple[VersionedMatcher, int]], out: torch.Tensor
+    requests: Sequence[tuple[VersionedMatcher, int]], out: torch.Tensor, rows: Sequence[int] | None = None
 ) -> list[tuple[Refusal, str] | None]:
-    """Row i of ``out`` [len(requests), W] gets the mask of ``requests[i]`` = (matcher, ordinal), all in one call.
+    """Row ``rows[i]`` of ``out`` [N, W] gets the mask of ``requests[i]`` = (matcher, ordinal), all in one call.
 
     The batched form of :meth:`VersionedMatcher.fill_mask`, for the registry's per-step batches: one xgrammar
-    call fills every row, instead of a Python round per row. Each answer is None (row i filled) or the refusal
-    (code, message) of that request, its row untouched. C3 holds as in the single form: every matcher's lock is
-    held from the ordinal check until its row is filled, so a commit cannot slip in between. Locks are taken in
-    one global order (by ``id``), so two batches naming the same matchers cannot deadlock. The matchers must
-    share one vocabulary (one registry's do).
+    call fills every row, straight into the caller's buffer (the executor's step bitmask, the service's reply
+    buffer), instead of a Python round per row. ``rows`` defaults to 0..len(requests)-1. Each answer is None
+    (row filled) or the refusal (code, message) of that request, its row untouched. C3 holds as in the single
+    form: every matcher's lock is held from the ordinal check until its row is filled, so a commit cannot slip in
+    between. Locks are taken in one global order (by ``id``), so two batches naming the same matchers cannot
+    deadlock. The matchers must share one vocabulary (one registry's do).
     """
     if not requests:
         return []
-    _check_buffer(out, (len(requests), requests[0][0].words_per_row))
+    targets = list(range(len(requests))) if rows is None else list(rows)
+    _check_rows(out, requests[0][0].words_per_row, targets, len(requests))
     held = sorted({id(m): m for m, _ in requests}.values(), key=id)  # a request id twice in a batch: one lock
     for matcher in held:
         matcher._lock.acquire()
@@ -351,7 +359,8 @@ def fill_mask_rows(
             # One thread: the forward this overlaps with already uses the cores, and xgrammar's pool costs more
             # than it saves at a few dozen rows.
             filler = xgr.BatchGrammarMatcher(max_threads=1)
-            filler.batch_fill_next_token_bitmask([requests[i][0]._matcher for i in ready], out, ready)
+            matchers = [requests[i][0]._matcher for i in ready]
+            filler.batch_fill_next_token_bitmask(matchers, out, [targets[i] for i in ready])
     finally:
         for matcher in held:
             matcher._lock.release()
@@ -368,6 +377,13 @@ def _check_buffer(out: torch.Tensor, shape: tuple[int, ...]) -> None:
             f"mask buffer must be a contiguous int32 CPU tensor of shape {list(shape)}, "
             f"got {out.dtype} {out.device} {list(out.shape)}"
         )
+
+
+def _check_rows(out: torch.Tensor, width: int, rows: Sequence[int], expected: int) -> None:
+    """``out`` is a mask buffer [N, width] and ``rows`` names ``expected`` distinct rows of it."""
+    _check_buffer(out, (out.shape[0] if out.dim() == 2 else -1, width))
+    if len(rows) != expected or len(set(rows)) != len(rows) or any(not 0 <= r < out.shape[0] for r in rows):
+        raise _invalid(f"mask rows {list(rows)} must be {expected} distinct rows of a buffer of {out.shape[0]}")
 
 
 def _check_acyclic(parents: Sequence[int]) -> None:

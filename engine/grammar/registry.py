@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -84,6 +85,36 @@ class MaskOutcome:
     rows: MaskRows | None
     refusal: Refusal | None = None
     message: str = ""
+
+
+# A mask batch's refusals, by entry index: (code, message). An entry not in it had its rows written.
+MaskRefusals = dict[int, tuple[Refusal, str]]
+
+
+def mask_starts(entries: Sequence[MaskEntry]) -> list[int]:
+    """First row of each entry when the entries' rows are laid out one after another."""
+    starts: list[int] = []
+    total = 0
+    for entry in entries:
+        starts.append(total)
+        total += entry.num_rows
+    return starts
+
+
+def mask_outcomes(
+    entries: Sequence[MaskEntry], out: torch.Tensor, starts: Sequence[int], refusals: MaskRefusals
+) -> list[MaskOutcome]:
+    """Per-entry outcomes of a batch answered into ``out`` [N, W] (entry i's rows from ``starts[i]``)."""
+    full = (out == -1).all(dim=1).tolist()  # [N]
+    outcomes: list[MaskOutcome] = []
+    for i, (entry, start) in enumerate(zip(entries, starts, strict=True)):
+        refused = refusals.get(i)
+        if refused is not None:
+            outcomes.append(MaskOutcome(None, *refused))
+        else:
+            stop = start + entry.num_rows
+            outcomes.append(MaskOutcome(MaskRows(out[start:stop], tuple(full[start:stop]))))
+    return outcomes
 
 
 class GrammarRegistry:
@@ -164,13 +195,16 @@ class GrammarRegistry:
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         """Apply one step's commits; each entry is answered on its own, a bad one never spoils the others."""
         try:
-            return [self._commit_one(entry) for entry in entries]
+            found = self._lookup_many([entry.request_id for entry in entries])
+            return [self._commit_one(entry, matcher) for entry, matcher in zip(entries, found, strict=True)]
         finally:
             self._bump()
 
-    def _commit_one(self, entry: CommitEntry) -> CommitOutcome:
+    def _commit_one(self, entry: CommitEntry, matcher: VersionedMatcher | tuple[Refusal, str]) -> CommitOutcome:
+        if not isinstance(matcher, VersionedMatcher):
+            return CommitOutcome(None, *matcher)
         try:
-            return CommitOutcome(self._lookup(entry.request_id).commit(entry.from_ordinal, entry.tokens))
+            return CommitOutcome(matcher.commit(entry.from_ordinal, entry.tokens))
         except GrammarProtocolError as refused:
             return CommitOutcome(None, refused.code, str(refused))
         except Exception as error:  # xgrammar failed: report it on this entry only
@@ -179,27 +213,37 @@ class GrammarRegistry:
     # ---------------------------------------------------------------- masks
 
     def poll_masks(self, entries: Sequence[MaskEntry]) -> list[MaskOutcome]:
-        """Answer each entry from the state it names, without waiting: BEHIND where the matcher is not there yet.
+        """Answer each entry from the state it names, without waiting: BEHIND where the matcher is not there yet."""
+        out = torch.zeros((sum(e.num_rows for e in entries), self._compiler.words_per_row), dtype=torch.int32)
+        starts = mask_starts(entries)
+        answers = self.poll_masks_into(entries, out, starts)
+        refusals = {i: answer for i, answer in enumerate(answers) if answer is not None}
+        return mask_outcomes(entries, out, starts, refusals)
 
-        Single-row entries are filled together by one xgrammar call (:func:`fill_mask_rows`) into one buffer;
-        draft entries one by one. Every entry is still answered on its own.
+    def poll_masks_into(
+        self, entries: Sequence[MaskEntry], out: torch.Tensor, starts: Sequence[int]
+    ) -> list[tuple[Refusal, str] | None]:
+        """Write each entry's rows into ``out`` [N, W] from row ``starts[i]``, without waiting.
+
+        Per entry None (rows written) or its refusal, BEHIND where the matcher is not there yet. Single-row entries
+        are filled together by one xgrammar call (:func:`fill_mask_rows`) straight into ``out``; draft entries one
+        by one. Every entry is still answered on its own: a refused one leaves its rows untouched.
         """
-        outcomes: list[MaskOutcome | None] = [None] * len(entries)
+        answers: list[tuple[Refusal, str] | None] = [None] * len(entries)
         singles: list[tuple[int, VersionedMatcher]] = []
-        for i, entry in enumerate(entries):
-            try:
-                matcher = self._lookup(entry.request_id)
-            except GrammarProtocolError as refused:
-                outcomes[i] = MaskOutcome(None, refused.code, str(refused))
-                continue
-            if entry.draft is None:
+        found = self._lookup_many([entry.request_id for entry in entries])
+        for i, (entry, matcher) in enumerate(zip(entries, found, strict=True)):
+            if not isinstance(matcher, VersionedMatcher):
+                answers[i] = matcher
+            elif entry.draft is None:
                 singles.append((i, matcher))
             else:
-                outcomes[i] = self._draft_one(entry, matcher)
+                rows = out[starts[i] : starts[i] + entry.num_rows]  # [R, W] view: the tree's rows
+                answers[i] = _answered(entry, partial(matcher.fill_draft_masks, entry.ordinal, entry.draft, rows))
         if singles:
-            for (i, _), outcome in zip(singles, self._fill_singles(entries, singles), strict=True):
-                outcomes[i] = outcome
-        return [o if o is not None else MaskOutcome(None, Refusal.INTERNAL, "not answered") for o in outcomes]
+            for (i, _), answer in zip(singles, self._fill_singles(entries, singles, out, starts), strict=True):
+                answers[i] = answer
+        return answers
 
     def behind(self, entries: Sequence[MaskEntry]) -> list[bool]:
         """Per entry: its matcher is open and active but has not reached the entry's ordinal yet.
@@ -223,12 +267,25 @@ class GrammarRegistry:
         )
 
     def fill_masks(self, entries: Sequence[MaskEntry], timeout_s: float) -> list[MaskOutcome]:
-        """Fenced masks (C3): entries whose matcher is behind wait for its commit, at most ``timeout_s``."""
-        with MaskFence(self, entries, timeout_s) as fence:
+        """Fenced masks (C3) as per-entry outcomes (each entry's rows in a fresh buffer)."""
+        out = torch.zeros((sum(e.num_rows for e in entries), self._compiler.words_per_row), dtype=torch.int32)
+        starts = mask_starts(entries)
+        return mask_outcomes(entries, out, starts, self.fill_masks_into(entries, timeout_s, out, starts))
+
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], timeout_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        """Fenced masks (C3) written into ``out`` [N, W], entry i's rows from row ``starts[i]``.
+
+        Entries whose matcher is behind wait for its commit, at most ``timeout_s``. Returns the refused entries (an
+        entry still behind at the deadline: BEHIND_DEADLINE); every other entry's rows were written. The caller
+        owns ``out`` (the executor passes its step bitmask, so masks land where the sampler reads them).
+        """
+        with MaskFence(self, entries, timeout_s, out, starts) as fence:
             while True:
                 seen = self.generation  # read before polling, so a commit during the poll is never missed
                 if fence.poll() or fence.remaining_s() <= 0:
-                    return fence.outcomes()
+                    return fence.refusals()
                 self.wait_for_change(seen, fence.remaining_s())
 
     def wait_for_change(self, seen_generation: int, timeout_s: float) -> bool:
@@ -237,34 +294,16 @@ class GrammarRegistry:
             return self._changed.wait_for(lambda: self._generation != seen_generation, timeout=max(0.0, timeout_s))
 
     def _fill_singles(
-        self, entries: Sequence[MaskEntry], singles: list[tuple[int, VersionedMatcher]]
-    ) -> list[MaskOutcome]:
-        words = torch.zeros((len(singles), self._compiler.words_per_row), dtype=torch.int32)  # [S, W]
+        self,
+        entries: Sequence[MaskEntry],
+        singles: list[tuple[int, VersionedMatcher]],
+        out: torch.Tensor,
+        starts: Sequence[int],
+    ) -> list[tuple[Refusal, str] | None]:
         try:
-            answers = fill_mask_rows([(matcher, entries[i].ordinal) for i, matcher in singles], words)
+            return fill_mask_rows([(m, entries[i].ordinal) for i, m in singles], out, [starts[i] for i, _ in singles])
         except Exception:  # xgrammar failed on some row: find which, answering each entry on its own
-            return [self._mask_one(entries[i], matcher) for i, matcher in singles]
-        full = (words == -1).all(dim=1).tolist()  # [S]: rows that allow every token travel as a flag
-        rows = words.split(1)  # S views [1, W], made in one call
-        return [
-            MaskOutcome(MaskRows(row, (row_full,))) if answer is None else MaskOutcome(None, *answer)
-            for row, row_full, answer in zip(rows, full, answers, strict=True)
-        ]
-
-    def _mask_one(self, entry: MaskEntry, matcher: VersionedMatcher) -> MaskOutcome:
-        def one_row() -> MaskRows:
-            words = torch.empty((1, matcher.words_per_row), dtype=torch.int32)  # [1, W]
-            return MaskRows(words, (matcher.fill_mask(entry.ordinal, words[0]),))
-
-        return _answered(entry, one_row)
-
-    def _draft_one(self, entry: MaskEntry, matcher: VersionedMatcher) -> MaskOutcome:
-        def tree_rows() -> MaskRows:
-            assert entry.draft is not None
-            words = torch.empty((entry.num_rows, matcher.words_per_row), dtype=torch.int32)  # [R, W]
-            return MaskRows(words, matcher.fill_draft_masks(entry.ordinal, entry.draft, words))
-
-        return _answered(entry, tree_rows)
+            return [_answered(entries[i], partial(m.fill_mask, entries[i].ordinal, out[starts[i]])) for i, m in singles]
 
     # ---------------------------------------------------------------- release
 
@@ -297,6 +336,19 @@ class GrammarRegistry:
                 raise GrammarProtocolError(Refusal.RELEASED, f"{request_id}: the grammar was released")
         raise GrammarProtocolError(Refusal.UNKNOWN, f"{request_id}: no grammar is open under this id")
 
+    def _lookup_many(self, request_ids: Sequence[str]) -> list[VersionedMatcher | tuple[Refusal, str]]:
+        """Each id's matcher, or the refusal for an id with none; one lock round for the whole batch."""
+        with self._lock:
+            found = [self._open.get(request_id) for request_id in request_ids]
+        return [m if m is not None else self._missing(rid) for m, rid in zip(found, request_ids, strict=True)]
+
+    def _missing(self, request_id: str) -> tuple[Refusal, str]:
+        try:
+            self._lookup(request_id)
+        except GrammarProtocolError as refused:
+            return refused.code, str(refused)
+        return Refusal.INTERNAL, f"{request_id}: opened while its batch was read; ask again"
+
     def _count_waiting(self, delta: int) -> None:
         with self._lock:
             self._waiting += delta
@@ -309,30 +361,44 @@ class GrammarRegistry:
             self._on_change()
 
 
-def _answered(entry: MaskEntry, compute: Callable[[], MaskRows]) -> MaskOutcome:
-    """``compute``'s rows as the entry's answer; a refusal or an xgrammar failure is the answer of this entry only."""
+def _answered(entry: MaskEntry, compute: Callable[[], object]) -> tuple[Refusal, str] | None:
+    """None once ``compute`` wrote the entry's rows; a refusal or an xgrammar failure is this entry's answer only."""
     try:
-        return MaskOutcome(compute())
+        compute()
+        return None
     except GrammarProtocolError as refused:
-        return MaskOutcome(None, refused.code, str(refused))
+        return refused.code, str(refused)
     except Exception as error:
-        return MaskOutcome(None, Refusal.INTERNAL, f"{entry.request_id}: {type(error).__name__}: {error}")
+        return Refusal.INTERNAL, f"{entry.request_id}: {type(error).__name__}: {error}"
 
 
 class MaskFence:
     """One fenced mask batch in progress (C3): polled until no entry is behind or the deadline passes.
 
-    Whoever drives it decides how to wait between polls (a condition variable, an asyncio event); it only
-    re-polls the entries that are still behind, and turns those left at the deadline into BEHIND_DEADLINE.
-    Use it as a context manager: entries behind count in :attr:`GrammarRegistry.num_waiting` until it exits.
+    Masks are written into the caller's buffer ``out`` [N, W] (entry i's rows from row ``starts[i]``) as entries
+    become ready. Whoever drives the fence decides how to wait between polls (a condition variable, an asyncio
+    event); it only re-polls the entries that are still behind, and turns those left at the deadline into
+    BEHIND_DEADLINE. Use it as a context manager: entries behind count in :attr:`GrammarRegistry.num_waiting`
+    until it exits.
     """
 
-    def __init__(self, registry: GrammarRegistry, entries: Sequence[MaskEntry], timeout_s: float) -> None:
+    def __init__(
+        self,
+        registry: GrammarRegistry,
+        entries: Sequence[MaskEntry],
+        timeout_s: float,
+        out: torch.Tensor,
+        starts: Sequence[int],
+    ) -> None:
+        if len(starts) != len(entries):
+            raise ValueError(f"{len(entries)} mask entries but {len(starts)} start rows")
         self._registry = registry
         self._entries = list(entries)
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
-        self._outcomes: list[MaskOutcome | None] = [None] * len(self._entries)
+        self._out = out
+        self._starts = list(starts)
+        self._refusals: MaskRefusals = {}
         self._pending = list(range(len(self._entries)))
         self._counted = 0  # how many of this fence's entries the registry counts as waiting
 
@@ -350,16 +416,21 @@ class MaskFence:
         the fence's cost at one real poll per commit.
         """
         behind = self._registry.behind([self._entries[i] for i in self._pending])
+        still = [i for i, late in zip(self._pending, behind, strict=True) if late]
         ready = [i for i, late in zip(self._pending, behind, strict=True) if not late]
         if ready:
-            answers = self._registry.poll_masks([self._entries[i] for i in ready])
-            for i, outcome in zip(ready, answers, strict=True):
-                self._outcomes[i] = outcome
-        # Ordinals only grow and finished states never return to ACTIVE, so a polled entry is BEHIND only if its id
-        # was released and opened anew in between; it stays pending like the others.
-        self._pending = [i for i in self._pending if self._outcomes[i] is None or self._is_behind(i)]
-        self._set_counted(len(self._pending))
-        return not self._pending
+            entries = [self._entries[i] for i in ready]
+            answers = self._registry.poll_masks_into(entries, self._out, [self._starts[i] for i in ready])
+            for i, answer in zip(ready, answers, strict=True):
+                # Ordinals only grow and finished states never return to ACTIVE, so a polled entry is BEHIND only if
+                # its id was released and opened anew in between; it stays pending like the others.
+                if answer is not None and answer[0] is Refusal.BEHIND:
+                    still.append(i)
+                elif answer is not None:
+                    self._refusals[i] = answer
+        self._pending = still
+        self._set_counted(len(still))
+        return not still
 
     def ready(self) -> bool:
         """Cheaply: would :meth:`poll` have anything to compute now? (A driver may skip a costly poll hop.)"""
@@ -368,25 +439,18 @@ class MaskFence:
     def remaining_s(self) -> float:
         return self._deadline - time.monotonic()
 
-    def outcomes(self) -> list[MaskOutcome]:
-        """The answers, in entry order; entries still behind fail with BEHIND_DEADLINE."""
-        return [self._final(entry, outcome) for entry, outcome in zip(self._entries, self._outcomes, strict=True)]
+    def refusals(self) -> MaskRefusals:
+        """The refused entries by index; entries still behind fail with BEHIND_DEADLINE. The others were written."""
+        refusals = dict(self._refusals)
+        for i in self._pending:
+            refusals[i] = (
+                Refusal.BEHIND_DEADLINE,
+                f"{self._registry.wait_message(self._entries[i])}; no such commit came within the fence deadline of "
+                f"{self._timeout_s * 1000:.0f} ms",
+            )
+        return refusals
 
     def _set_counted(self, waiting: int) -> None:
         if waiting != self._counted:
             self._registry._count_waiting(waiting - self._counted)
             self._counted = waiting
-
-    def _is_behind(self, i: int) -> bool:
-        outcome = self._outcomes[i]
-        return outcome is not None and outcome.refusal is Refusal.BEHIND
-
-    def _final(self, entry: MaskEntry, outcome: MaskOutcome | None) -> MaskOutcome:
-        if outcome is not None and outcome.refusal is not Refusal.BEHIND:
-            return outcome
-        return MaskOutcome(
-            None,
-            Refusal.BEHIND_DEADLINE,
-            f"{self._registry.wait_message(entry)}; no such commit came within the fence deadline of "
-            f"{self._timeout_s * 1000:.0f} ms",
-        )

@@ -6,7 +6,7 @@ rows by index, and a row that allows every token as the reference -1 with no dat
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -22,8 +22,10 @@ from engine.grammar import (
     GrammarProtocolError,
     MaskEntry,
     MaskOutcome,
-    MaskRows,
+    MaskRefusals,
     Refusal,
+    mask_outcomes,
+    mask_starts,
 )
 from protos import grammar_pb2 as pb
 
@@ -127,70 +129,79 @@ def mask_entry_from_proto(message: pb.MaskEntry) -> MaskEntry:
     return MaskEntry(message.request_id, message.ordinal, draft)
 
 
-def encode_masks(outcomes: Sequence[MaskOutcome], words_per_row: int) -> pb.FillMasksReply:
-    """Pack mask outcomes: each distinct row once, all-allowed rows as the reference -1.
+MaskAnswer = range | tuple[Refusal, str]  # an entry's rows in the reply buffer, or its refusal (code, message)
 
-    Vectorised over the reply: every row that travels as data is converted to wire words in one array, and rows
-    are told apart by their bytes, so the cost per row is a slice and a dict lookup.
+
+def mask_answers(entries: Sequence[MaskEntry], starts: Sequence[int], refusals: MaskRefusals) -> list[MaskAnswer]:
+    """Each entry's answer in a buffer where its rows start at ``starts[i]``: its refusal, or the range of its rows."""
+    return [
+        refusals.get(i) or range(start, start + entry.num_rows)
+        for i, (entry, start) in enumerate(zip(entries, starts, strict=True))
+    ]
+
+
+def encode_masks(words: torch.Tensor, answers: Sequence[MaskAnswer]) -> pb.FillMasksReply:
+    """Pack a batch's masks from ``words`` [N, W]: each distinct row once, all-allowed rows as the reference -1.
+
+    Vectorised over the reply: every row is converted to wire words in one array, and rows are told apart by their
+    bytes, so the cost per row is a slice and a dict lookup.
     """
-    answered = [o.rows for o in outcomes if o.rows is not None]
-    words = _wire_words([rows.words for rows in answered], words_per_row)  # [R, W] little-endian
+    wire = np.ascontiguousarray(words.numpy(), dtype=_WORD)  # [N, W] little-endian
+    full = (words == -1).all(dim=1).tolist()  # [N]: rows that allow every token travel as a reference
     index: dict[bytes, int] = {}
-    next_row = 0
     results: list[pb.MaskResult] = []
-    for outcome in outcomes:
-        if outcome.rows is None:
-            refusal = outcome.refusal or Refusal.INTERNAL
-            results.append(pb.MaskResult(code=REFUSAL_CODES[refusal], message=outcome.message))
-            continue
-        refs = []
-        for full in outcome.rows.full:
-            refs.append(FULL_ROW_REF if full else index.setdefault(words[next_row].tobytes(), len(index)))
-            next_row += 1
-        results.append(pb.MaskResult(code=pb.OK, row_refs=refs))
+    for answer in answers:
+        if isinstance(answer, range):
+            refs = [FULL_ROW_REF if full[r] else index.setdefault(wire[r].tobytes(), len(index)) for r in answer]
+            results.append(pb.MaskResult(code=pb.OK, row_refs=refs))
+        else:
+            refusal, message = answer
+            results.append(pb.MaskResult(code=REFUSAL_CODES[refusal], message=message))
     # dicts keep insertion order: row r is the r-th distinct row
-    return pb.FillMasksReply(words_per_row=words_per_row, rows=list(index), results=results)
+    return pb.FillMasksReply(words_per_row=words.shape[1], rows=list(index), results=results)
 
 
-def _wire_words(blocks: Sequence[torch.Tensor], width: int) -> np.ndarray:
-    """Every row of ``blocks`` (int32 [R_i, W] each), in order, as one little-endian array [sum R_i, W]."""
-    if not blocks:
-        return np.empty((0, width), dtype=_WORD)
-    stacked = torch.cat(list(blocks)) if len(blocks) > 1 else blocks[0]  # [R, W]
-    return np.ascontiguousarray(stacked.numpy(), dtype=_WORD)
+def decode_masks_into(
+    reply: pb.FillMasksReply, entries: Sequence[MaskEntry], out: torch.Tensor, starts: Sequence[int]
+) -> MaskRefusals:
+    """Unpack a FillMasks reply into ``out`` [N, W] (entry i's rows from row ``starts[i]``), in one copy.
 
-
-def decode_masks(reply: pb.FillMasksReply, entries: Sequence[MaskEntry]) -> list[MaskOutcome]:
-    """Unpack a FillMasks reply into per-entry outcomes with int32 [R, W] mask tensors (views of one tensor)."""
+    Returns the refused entries by index; their rows are untouched. Raises GrammarProtocolError (INTERNAL) for a
+    reply that does not fit the request: another count, width or a row reference out of range.
+    """
     if len(reply.results) != len(entries):
         raise GrammarProtocolError(
             Refusal.INTERNAL, f"FillMasks answered {len(reply.results)} entries, {len(entries)} were asked"
         )
     width = reply.words_per_row
-    if any(len(data) != width * _WORD.itemsize for data in reply.rows):
-        raise GrammarProtocolError(Refusal.INTERNAL, f"FillMasks sent a mask row that is not {width} words long")
+    if width != out.shape[1] or any(len(data) != width * _WORD.itemsize for data in reply.rows):
+        raise GrammarProtocolError(Refusal.INTERNAL, f"FillMasks sent mask rows that are not {out.shape[1]} words long")
     distinct = len(reply.rows)
     # The distinct rows, then one all-allowed row that the -1 reference points at.
     table = np.empty((distinct + 1, width), dtype=np.int32)  # [D + 1, W]
     table[:distinct] = np.frombuffer(b"".join(reply.rows), dtype=_WORD).reshape(distinct, width)
     table[distinct] = -1
+    refusals: MaskRefusals = {}
     refs: list[int] = []
-    sizes: list[int] = []
-    for result, entry in zip(reply.results, entries, strict=True):
-        if result.code == pb.OK:
-            got = list(result.row_refs)
-            if len(got) != entry.num_rows or min(got) < FULL_ROW_REF or max(got) >= distinct:
-                raise GrammarProtocolError(Refusal.INTERNAL, f"{entry.request_id}: malformed mask row references {got}")
-            refs.extend(got)
-            sizes.append(len(got))
-    picked = np.asarray(refs, dtype=np.int64)  # [N]
-    picked[picked == FULL_ROW_REF] = distinct
-    answers = iter(torch.from_numpy(table[picked]).split(sizes))  # [R_i, W] views, entry by entry
-    return [_decode_one(result, entry, answers) for result, entry in zip(reply.results, entries, strict=True)]
+    dest: list[int] = []
+    for i, (result, entry, start) in enumerate(zip(reply.results, entries, starts, strict=True)):
+        if result.code != pb.OK:
+            refusals[i] = (refusal_from_code(result.code, entry.request_id), result.message)
+            continue
+        got = list(result.row_refs)
+        if len(got) != entry.num_rows or min(got) < FULL_ROW_REF or max(got) >= distinct:
+            raise GrammarProtocolError(Refusal.INTERNAL, f"{entry.request_id}: malformed mask row references {got}")
+        refs.extend(got)
+        dest.extend(range(start, start + len(got)))
+    if dest:
+        picked = np.asarray(refs, dtype=np.int64)  # [N]
+        picked[picked == FULL_ROW_REF] = distinct
+        out[dest] = torch.from_numpy(table[picked])  # [N, W], one copy into the rows asked
+    return refusals
 
 
-def _decode_one(result: pb.MaskResult, entry: MaskEntry, answers: Iterator[torch.Tensor]) -> MaskOutcome:
-    if result.code != pb.OK:
-        return MaskOutcome(None, refusal_from_code(result.code, entry.request_id), result.message)
-    words = next(answers)  # [R, W]
-    return MaskOutcome(MaskRows(words, tuple(ref == FULL_ROW_REF for ref in result.row_refs)))
+def decode_masks(reply: pb.FillMasksReply, entries: Sequence[MaskEntry]) -> list[MaskOutcome]:
+    """Unpack a FillMasks reply into per-entry outcomes with int32 [R, W] mask tensors (views of one tensor)."""
+    out = torch.zeros((sum(e.num_rows for e in entries), reply.words_per_row), dtype=torch.int32)  # [N, W]
+    starts = mask_starts(entries)
+    return mask_outcomes(entries, out, starts, decode_masks_into(reply, entries, out, starts))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import torch
 
 from engine.errors import InvalidRequestError
 from engine.grammar import (
@@ -30,8 +31,9 @@ from engine.grammar import (
     InvalidGrammarError,
     MaskEntry,
     MaskFence,
-    MaskOutcome,
+    MaskRefusals,
     Refusal,
+    mask_starts,
 )
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
@@ -179,29 +181,35 @@ class GrammarServicer(pb_grpc.GrammarServicer):
         timeout_s = _deadline_s(
             request.deadline_ms, self._config.fence_deadline_s, self._config.max_fence_deadline_s, context
         )
-        outcomes: list[MaskOutcome | None] = [None] * len(request.entries)
+        answers: list[convert.MaskAnswer | None] = [None] * len(request.entries)
         valid: list[tuple[int, MaskEntry]] = []
         for i, message in enumerate(request.entries):
             try:
                 valid.append((i, convert.mask_entry_from_proto(message)))
             except GrammarProtocolError as refused:  # a malformed draft tree fails its entry only
-                outcomes[i] = MaskOutcome(None, refused.code, f"{message.request_id}: {refused}")
-        fenced = await self._fence([entry for _, entry in valid], timeout_s)
-        for (i, _), outcome in zip(valid, fenced, strict=True):
-            outcomes[i] = outcome
-        done = [o if o is not None else MaskOutcome(None, Refusal.INTERNAL, "unanswered") for o in outcomes]
-        return convert.encode_masks(done, self.registry.compiler.words_per_row)  # vectorised: cheap on the loop
+                answers[i] = (refused.code, f"{message.request_id}: {refused}")
+        entries = [entry for _, entry in valid]
+        # The fence writes every mask into one reply buffer, which is packed straight from there.
+        out = torch.zeros((sum(e.num_rows for e in entries), self.registry.compiler.words_per_row), dtype=torch.int32)
+        starts = mask_starts(entries)
+        refusals = await self._fence(entries, timeout_s, out, starts)
+        for (i, _), answer in zip(valid, convert.mask_answers(entries, starts, refusals), strict=True):
+            answers[i] = answer
+        done = [a if a is not None else (Refusal.INTERNAL, "unanswered") for a in answers]
+        return convert.encode_masks(out, done)  # vectorised: cheap on the loop
 
-    async def _fence(self, entries: list[MaskEntry], timeout_s: float) -> list[MaskOutcome]:
+    async def _fence(
+        self, entries: list[MaskEntry], timeout_s: float, out: torch.Tensor, starts: list[int]
+    ) -> MaskRefusals:
         """C3 on the loop: poll on the pool, and between polls await the next commit or release, never a thread."""
-        with MaskFence(self.registry, entries, timeout_s) as fence:
+        with MaskFence(self.registry, entries, timeout_s, out, starts) as fence:
             while True:
                 seen = self._signal.generation  # before the poll: a commit during the poll ends the wait at once
                 # Only a poll with masks to compute goes to the pool; one that finds every entry still behind costs
                 # a few dict lookups and stays on the loop.
                 done = await self._run(fence.poll) if fence.ready() else fence.poll()
                 if done or fence.remaining_s() <= 0:
-                    return fence.outcomes()
+                    return fence.refusals()
                 await self._signal.wait_past(seen, fence.remaining_s())
 
     # ---------------------------------------------------------------- Release / GetState

@@ -21,11 +21,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.grammar.backend import GrammarBackend, LocalGrammar
 from engine.grammar.constraint import Constraint
-from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskOutcome
+from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals
 from engine.metrics import EngineObserver, NullObserver, RequestFinished, StepCommitted
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -184,8 +186,10 @@ class GrammarProbe:
             self._commits.extend(entries)
         return self.inner.commit(entries)
 
-    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
-        return self.inner.fill_masks(entries, deadline_s)
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        return self.inner.fill_masks_into(entries, deadline_s, out, starts)
 
     def release(self, request_ids: Sequence[str]) -> None:
         self.inner.release(request_ids)

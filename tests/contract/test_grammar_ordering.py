@@ -29,7 +29,7 @@ from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info
 from engine.grammar.constraint import Constraint, ConstraintKind
 from engine.grammar.matcher import DraftTree, Refusal
-from engine.grammar.registry import CommitEntry, CommitOutcome, GrammarRegistry, MaskEntry, MaskOutcome
+from engine.grammar.registry import CommitEntry, CommitOutcome, GrammarRegistry, MaskEntry, MaskRefusals
 from engine.model.tokenizer import Tokenizer
 from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner
@@ -427,16 +427,13 @@ class RecordingGrammar:
     def open(self, request_id: str, constraint: Constraint) -> None:
         self.inner.open(request_id, constraint)
 
-    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
         self._record([Event("mask", e.request_id, e.ordinal) for e in entries])
-        answers = self.inner.fill_masks(entries, deadline_s)
-        self._record(
-            [
-                Event("answer", e.request_id, e.ordinal, a.rows is not None)
-                for e, a in zip(entries, answers, strict=True)
-            ]
-        )
-        return answers
+        refusals = self.inner.fill_masks_into(entries, deadline_s, out, starts)
+        self._record([Event("answer", e.request_id, e.ordinal, i not in refusals) for i, e in enumerate(entries)])
+        return refusals
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         if self.hold_commits:

@@ -32,10 +32,10 @@ from engine.grammar import (
     ConstraintCompiler,
     ConstraintKind,
     DraftTree,
+    GrammarProtocolError,
     InvalidGrammarError,
     MaskEntry,
     MaskOutcome,
-    MaskRows,
     Refusal,
 )
 from engine.model.tokenizer import Tokenizer
@@ -365,17 +365,13 @@ def test_client_returns_engine_values(target: str, tokens: list[int]) -> None:
 
 def test_mask_rows_are_deduplicated_and_full_rows_travel_as_flags() -> None:
     """The packing: equal rows are sent once, rows allowing everything as the reference -1 without data.
-    Enforced by `if full: return FULL_ROW_REF` in convert._row_ref; without it the full row travels as data
+    Enforced by `FULL_ROW_REF if full[r]` in convert.encode_masks; without it the full row travels as data
     (two rows, references [0, 1])."""
     width = 4
     row = torch.tensor([1, 2, 3, -(2**31)], dtype=torch.int32)  # [W]
     full = torch.full((width,), -1, dtype=torch.int32)  # [W]
-    outcomes = [
-        MaskOutcome(MaskRows(torch.stack([row, full]), (False, True))),
-        MaskOutcome(None, Refusal.AHEAD, "ahead"),
-        MaskOutcome(MaskRows(row.clone()[None], (False,))),
-    ]
-    reply = convert.encode_masks(outcomes, width)
+    words = torch.stack([row, full, row.clone()])  # [3, W]: a two-row tree, then a single row equal to the first
+    reply = convert.encode_masks(words, [range(0, 2), (Refusal.AHEAD, "ahead"), range(2, 3)])
     assert len(reply.rows) == 1 and len(reply.rows[0]) == width * 4
     assert [list(r.row_refs) for r in reply.results] == [[0, -1], [], [0]]
     entries = [MaskEntry("a", 0, DraftTree.chain([7])), MaskEntry("b", 0), MaskEntry("c", 0)]
@@ -384,6 +380,23 @@ def test_mask_rows_are_deduplicated_and_full_rows_travel_as_flags() -> None:
     assert decoded[0].rows.full == (False, True)
     assert decoded[1].refusal is Refusal.AHEAD
     assert decoded[2].rows is not None and torch.equal(decoded[2].rows.words[0], row)
+
+
+def test_a_reply_decodes_into_the_rows_the_caller_names() -> None:
+    """The executor's path: rows land in its step bitmask at the sampling rows it names, in one copy; a refused
+    entry's rows and every other row keep what they held."""
+    width = 4
+    row = torch.tensor([5, 0, 0, 1], dtype=torch.int32)  # [W]
+    words = torch.stack([row, torch.full((width,), -1, dtype=torch.int32)])  # [2, W]
+    reply = convert.encode_masks(words, [range(0, 1), (Refusal.BEHIND_DEADLINE, "late"), range(1, 2)])
+    step = torch.full((6, width), 7, dtype=torch.int32)  # [B, W]: 7 marks rows nobody may write
+    entries = [MaskEntry("a", 3), MaskEntry("b", 3), MaskEntry("c", 3)]
+    refusals = convert.decode_masks_into(reply, entries, step, [4, 0, 1])
+    assert refusals == {1: (Refusal.BEHIND_DEADLINE, "late")}
+    assert torch.equal(step[4], row) and bool((step[1] == -1).all())
+    assert bool((step[[0, 2, 3, 5]] == 7).all())
+    with pytest.raises(GrammarProtocolError, match="not 5 words long"):
+        convert.decode_masks_into(reply, entries, torch.zeros((6, 5), dtype=torch.int32), [4, 0, 1])
 
 
 # ---------------------------------------------------------------- the process

@@ -26,7 +26,7 @@ from engine.engine import Engine
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info, words_per_row
 from engine.grammar.constraint import Constraint, ConstraintKind
-from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskOutcome, MaskRows
+from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals
 from engine.request import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -60,8 +60,10 @@ class DelegatingGrammar:
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         return self.inner.commit(entries)
 
-    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
-        return self.inner.fill_masks(entries, deadline_s)
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        return self.inner.fill_masks_into(entries, deadline_s, out, starts)
 
     def release(self, request_ids: Sequence[str]) -> None:
         self.inner.release(request_ids)
@@ -80,11 +82,17 @@ class AllowAllFor(DelegatingGrammar):
         self.request_id = request_id
         self.words = words_per_row(inner.registry.compiler.vocab_size)
 
-    def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float) -> list[MaskOutcome]:
-        others = [e for e in entries if e.request_id != self.request_id]
-        answers = iter(self.inner.fill_masks(others, deadline_s) if others else [])
-        full = MaskOutcome(MaskRows(torch.full((1, self.words), -1, dtype=torch.int32), (True,)))  # [1, W]
-        return [full if e.request_id == self.request_id else next(answers) for e in entries]
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        mine = [i for i, e in enumerate(entries) if e.request_id == self.request_id]
+        others = [i for i, e in enumerate(entries) if e.request_id != self.request_id]
+        for i in mine:
+            out[starts[i]] = -1  # [W]: every token allowed
+        if not others:
+            return {}
+        refused = self.inner.fill_masks_into([entries[i] for i in others], deadline_s, out, [starts[i] for i in others])
+        return {others[k]: refusal for k, refusal in refused.items()}
 
 
 @dataclass(frozen=True)

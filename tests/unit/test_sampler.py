@@ -210,6 +210,22 @@ def test_bitmask_per_row() -> None:
     assert Sampler(V, "cpu").sample(logits, states, bitmask).token_ids == [10, 1, 40]
 
 
+def test_bitmask_sets_exactly_the_disallowed_logits_to_minus_inf() -> None:
+    """Bit for bit against the definition, over random words (sign bits included) and a partial last word: an
+    allowed logit keeps its value, even +inf or -inf, and a disallowed one becomes -inf."""
+    gen = torch.Generator().manual_seed(11)
+    rows = 8
+    allowed = [{t for t in range(V) if torch.rand(1, generator=gen).item() < 0.4} for _ in range(rows)]
+    logits = random_logits(rows, seed=12)
+    logits[0, 3], logits[1, 7] = float("inf"), float("-inf")
+    states = [state(SamplingParams()) for _ in range(rows)]
+    got = Sampler(V, "cpu").process_logits(logits, states, pack_bitmask(allowed, V))  # [B, V]
+    expected = logits.clone()
+    for row, ids in enumerate(allowed):
+        expected[row, [t for t in range(V) if t not in ids]] = float("-inf")
+    assert torch.equal(got, expected)
+
+
 def test_nothing_allowed_returns_eos_or_zero() -> None:
     logits = random_logits(4, seed=7)
     states = [
