@@ -206,3 +206,23 @@ class GrammarState(_message.Message):
     compile_cache_entries: int
     num_waiting: int
     def __init__(self, num_open: _Optional[int] = ..., vocab_size: _Optional[int] = ..., words_per_row: _Optional[int] = ..., compile_cache_hits: _Optional[int] = ..., compile_cache_misses: _Optional[int] = ..., compile_cache_entries: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("commit", "fill_masks", "release")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    FILL_MASKS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    commit: CommitRequest
+    fill_masks: FillMasksRequest
+    release: ReleaseRequest
+    def __init__(self, commit: _Optional[_Union[CommitRequest, _Mapping]] = ..., fill_masks: _Optional[_Union[FillMasksRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
+
+class StreamReply(_message.Message):
+    __slots__ = ("commit", "fill_masks", "release")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    FILL_MASKS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    commit: CommitReply
+    fill_masks: FillMasksReply
+    release: ReleaseReply
+    def __init__(self, commit: _Optional[_Union[CommitReply, _Mapping]] = ..., fill_masks: _Optional[_Union[FillMasksReply, _Mapping]] = ..., release: _Optional[_Union[ReleaseReply, _Mapping]] = ...) -> None: ...

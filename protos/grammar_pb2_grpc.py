@@ -60,6 +60,11 @@ class GrammarStub:
                 request_serializer=protos_dot_grammar__pb2.StateRequest.SerializeToString,
                 response_deserializer=protos_dot_grammar__pb2.GrammarState.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/ordinal.grammar.v1.Grammar/Stream',
+                request_serializer=protos_dot_grammar__pb2.StreamRequest.SerializeToString,
+                response_deserializer=protos_dot_grammar__pb2.StreamReply.FromString,
+                _registered_method=True)
 
 
 class GrammarServicer:
@@ -101,6 +106,18 @@ class GrammarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """The per-step calls (Commit, FillMasks, Release) as one long-lived stream per caller, with the same meaning
+        as the unary calls: a step then costs a stream message instead of a whole unary call. The service answers
+        each request message with one reply of the same kind, in order, and reads a stream's next message only after
+        answering the one before: a FillMasks waiting at its fence holds up its own stream, so commits must travel
+        on another stream (the scheduler's) than masks (the executor's). A message with no call set ends the stream
+        with INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GrammarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +145,11 @@ def add_GrammarServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=protos_dot_grammar__pb2.StateRequest.FromString,
                     response_serializer=protos_dot_grammar__pb2.GrammarState.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=protos_dot_grammar__pb2.StreamRequest.FromString,
+                    response_serializer=protos_dot_grammar__pb2.StreamReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +287,33 @@ class Grammar:
             '/ordinal.grammar.v1.Grammar/GetState',
             protos_dot_grammar__pb2.StateRequest.SerializeToString,
             protos_dot_grammar__pb2.GrammarState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ordinal.grammar.v1.Grammar/Stream',
+            protos_dot_grammar__pb2.StreamRequest.SerializeToString,
+            protos_dot_grammar__pb2.StreamReply.FromString,
             options,
             channel_credentials,
             insecure,

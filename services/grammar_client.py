@@ -4,16 +4,19 @@ Each method takes engine values and returns engine values: masks come back as in
 xgrammar's layout, ready for the sampler. A per-entry refusal (a stale commit, a mask past its deadline, a
 bad grammar) is a value in the result list, never an exception: one bad entry must not cost the others.
 Only a failure of the whole call (the service is unreachable, the call's deadline passed) raises
-``grpc.RpcError``.
+``grpc.RpcError`` (:class:`GrammarStreamError` for the ``stream_*`` calls).
 
 :class:`RemoteGrammar` is the engine's view of the service (a :class:`~engine.grammar.backend.GrammarBackend`):
 the scheduler's engine opens, commits and releases through it, the executor's mask fetcher fills masks through
-another one, both against the same service.
+another one, both against the same service. The per-step calls travel on the ``Stream`` RPC (one stream for
+commits and releases, one for masks): a unary call costs the service about three times a stream message's CPU.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -36,6 +39,7 @@ from engine.grammar import (
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
+from services.grpc_common import outbox_messages
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", 64 << 20),
 )
 DEFAULT_TIMEOUT_S = 30.0
+STREAM_CLOSE_TIMEOUT_S = 2.0
 
 OpenError = InvalidGrammarError | GrammarTimeoutError | GrammarProtocolError
 
@@ -137,6 +142,80 @@ def _check_count(rpc: str, answered: int, asked: int) -> None:
         raise GrammarProtocolError(Refusal.INTERNAL, f"{rpc} answered {answered} entries, {asked} were asked")
 
 
+# ---------------------------------------------------------------- the per-step stream
+
+
+class GrammarStreamError(RuntimeError):
+    """A per-step stream failed: the service went away, broke the reply order or did not answer in time. The
+    stream is dropped; the next call opens a new one."""
+
+
+class _CallStream:
+    """One open ``Stream`` call: each request goes out in call order and its reply comes back in the same order."""
+
+    def __init__(self, stub: pb_grpc.GrammarStub) -> None:
+        self._outbox: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue[pb.StreamReply | GrammarStreamError] = queue.SimpleQueue()
+        self._call = stub.Stream(outbox_messages(self._outbox))
+        self._reader = threading.Thread(target=self._read, name="ordinal-grammar-stream", daemon=True)
+        self._reader.start()
+
+    def exchange(self, request: pb.StreamRequest, timeout_s: float) -> pb.StreamReply:
+        """Send one request and wait for its reply (the caller sends one at a time)."""
+        self._outbox.put(request)
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise GrammarStreamError(f"the grammar service did not answer within {timeout_s:.1f} s") from None
+        if isinstance(reply, GrammarStreamError):
+            raise reply
+        if reply.WhichOneof("reply") != request.WhichOneof("call"):
+            raise GrammarStreamError(f"a {request.WhichOneof('call')} was answered by {reply.WhichOneof('reply')}")
+        return reply
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        self._call.cancel()
+        self._reader.join(STREAM_CLOSE_TIMEOUT_S)
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                self._replies.put(reply)
+            error = GrammarStreamError("the grammar service ended the stream")
+        except grpc.RpcError as exc:
+            error = GrammarStreamError(f"grammar stream failed: {_rpc_error(exc)}")
+        self._outbox.put(None)  # ends the request iterator, whose thread would otherwise wait forever
+        self._replies.put(error)
+
+
+class _StreamSlot:
+    """A stream for one caller's per-step calls: opened on first use, one exchange at a time, reopened after a
+    failure (a failed or late exchange drops the stream, so a late reply can never answer a later request)."""
+
+    def __init__(self, stub: pb_grpc.GrammarStub) -> None:
+        self._stub = stub
+        self._lock = threading.Lock()
+        self._stream: _CallStream | None = None
+
+    def exchange(self, request: pb.StreamRequest, timeout_s: float) -> pb.StreamReply:
+        with self._lock:
+            if self._stream is None:
+                self._stream = _CallStream(self._stub)
+            try:
+                return self._stream.exchange(request, timeout_s)
+            except GrammarStreamError:
+                self._stream.close()
+                self._stream = None
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._stream is not None:
+                self._stream.close()
+                self._stream = None
+
+
 # ---------------------------------------------------------------- clients
 
 
@@ -147,6 +226,10 @@ class GrammarClient:
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.GrammarStub(self._channel)
         self._timeout_s = timeout_s
+        # Two streams, because a FillMasks waiting at its fence holds up its stream: commits (and releases) must
+        # not queue behind it, or the mask would wait for a commit stuck behind itself.
+        self._commit_stream = _StreamSlot(self._stub)
+        self._mask_stream = _StreamSlot(self._stub)
 
     def __enter__(self) -> GrammarClient:
         return self
@@ -155,6 +238,8 @@ class GrammarClient:
         self.close()
 
     def close(self) -> None:
+        self._commit_stream.close()
+        self._mask_stream.close()
         self._channel.close()
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -191,6 +276,24 @@ class GrammarClient:
 
     def get_state(self) -> GrammarServiceState:
         return _state(self._stub.GetState(pb.StateRequest(), timeout=self._timeout_s))
+
+    # The per-step calls over the Stream RPC: the same answers as the unary calls above, for the cost of a stream
+    # message. They raise GrammarStreamError (not grpc.RpcError) when the stream fails.
+
+    def stream_commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
+        request = pb.StreamRequest(commit=pb.CommitRequest(entries=[convert.commit_entry_to_proto(e) for e in entries]))
+        return _commit_outcomes(self._commit_stream.exchange(request, self._timeout_s).commit, entries)
+
+    def stream_fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float | None, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        request = pb.StreamRequest(fill_masks=_fill_request(entries, deadline_s))
+        reply = self._mask_stream.exchange(request, self._timeout_s + (deadline_s or 0)).fill_masks
+        return convert.decode_masks_into(reply, entries, out, starts)
+
+    def stream_release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
+        request = pb.StreamRequest(release=pb.ReleaseRequest(request_ids=list(request_ids)))
+        return _release_outcomes(self._commit_stream.exchange(request, self._timeout_s).release, request_ids)
 
 
 class AsyncGrammarClient:
@@ -293,24 +396,24 @@ class RemoteGrammar:
         if not entries:
             return []
         try:
-            return self._client.commit(entries)
-        except grpc.RpcError as exc:
-            message = f"grammar service unavailable: {_rpc_error(exc)}"
+            return self._client.stream_commit(entries)
+        except GrammarStreamError as exc:
+            message = f"grammar service unavailable: {exc}"
             log.warning("grammar commit of %d entries failed: %s", len(entries), message)
             return [CommitOutcome(None, Refusal.INTERNAL, message) for _ in entries]
 
     def fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
     ) -> MaskRefusals:
-        return self._client.fill_masks_into(entries, deadline_s, out, starts)
+        return self._client.stream_fill_masks_into(entries, deadline_s, out, starts)
 
     def release(self, request_ids: Sequence[str]) -> None:
         if not request_ids:
             return
         try:
-            self._client.release(request_ids)
-        except grpc.RpcError as exc:
-            log.warning("grammar release of %d ids failed: %s", len(request_ids), _rpc_error(exc))
+            self._client.stream_release(request_ids)
+        except GrammarStreamError as exc:
+            log.warning("grammar release of %d ids failed: %s", len(request_ids), exc)
 
     @property
     def num_open(self) -> int:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import queue
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+T = TypeVar("T")
 
 
 def add_health_and_reflection(
@@ -57,3 +61,9 @@ class StartedServer:
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+
+
+def outbox_messages(outbox: queue.SimpleQueue[T | None]) -> Iterator[T]:
+    """The request iterator of a client stream: every message put into ``outbox``, until a None ends the stream."""
+    while (message := outbox.get()) is not None:
+        yield message

@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +35,7 @@ from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
 from services.executor.server import SESSION_METADATA_KEY
+from services.grpc_common import outbox_messages
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class _Session:
         self._accepted = threading.Event()
         self._answered = threading.Event()  # accepted or refused
         self._closing = False
-        self._call = stub.Session(self._requests())
+        self._call = stub.Session(outbox_messages(self._outbox))
         self._reader = threading.Thread(target=self._read, name="ordinal-executor-replies", daemon=True)
         self._reader.start()
 
@@ -163,10 +164,6 @@ class _Session:
         if self._reader.is_alive():
             self._call.cancel()
             self._reader.join(CLOSE_TIMEOUT_S)
-
-    def _requests(self) -> Iterator[pb.SessionRequest]:
-        while (msg := self._outbox.get()) is not None:
-            yield msg
 
     def _read(self) -> None:
         try:

@@ -353,7 +353,11 @@ def fill_mask_rows(
     for matcher in held:
         matcher._lock.acquire()
     try:
-        answers = [matcher._mask_refusal(ordinal) for matcher, ordinal in requests]
+        # The common case (active, at the ordinal asked) is decided inline; anything else says why it is refused.
+        answers = [
+            None if m._ordinal == ordinal and m._state is MatcherState.ACTIVE else m._mask_refusal(ordinal)
+            for m, ordinal in requests
+        ]
         ready = [i for i, answer in enumerate(answers) if answer is None]
         if ready:
             # One thread: the forward this overlaps with already uses the cores, and xgrammar's pool costs more
@@ -382,7 +386,7 @@ def _check_buffer(out: torch.Tensor, shape: tuple[int, ...]) -> None:
 def _check_rows(out: torch.Tensor, width: int, rows: Sequence[int], expected: int) -> None:
     """``out`` is a mask buffer [N, width] and ``rows`` names ``expected`` distinct rows of it."""
     _check_buffer(out, (out.shape[0] if out.dim() == 2 else -1, width))
-    if len(rows) != expected or len(set(rows)) != len(rows) or any(not 0 <= r < out.shape[0] for r in rows):
+    if len(rows) != expected or len(set(rows)) != len(rows) or min(rows) < 0 or max(rows) >= out.shape[0]:
         raise _invalid(f"mask rows {list(rows)} must be {expected} distinct rows of a buffer of {out.shape[0]}")
 
 

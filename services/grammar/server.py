@@ -6,6 +6,9 @@ each) and it is what a waiting mask needs next, so a thread hop would only add l
 path. Mask computation and releases run on a small thread pool. A fenced mask request that must wait for a
 commit holds no thread: it awaits a loop-side signal that the registry raises after every commit and release,
 then polls again (C3); a poll that finds every entry still behind is a few dict lookups and stays on the loop.
+
+``Stream`` carries the same per-step calls as long-lived streams (one per caller): each message is answered in
+order exactly like its unary twin, for the cost of a stream message instead of a whole unary call.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -171,6 +174,9 @@ class GrammarServicer(pb_grpc.GrammarServicer):
     # ---------------------------------------------------------------- Commit
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitReply:
+        return self._commit(request)
+
+    def _commit(self, request: pb.CommitRequest) -> pb.CommitReply:
         entries = [convert.commit_entry_from_proto(e) for e in request.entries]
         outcomes = self.registry.commit(entries)  # bounded (microseconds a token): no thread hop on the critical path
         return pb.CommitReply(results=[convert.commit_outcome_to_proto(o) for o in outcomes])
@@ -178,6 +184,9 @@ class GrammarServicer(pb_grpc.GrammarServicer):
     # ---------------------------------------------------------------- FillMasks
 
     async def FillMasks(self, request: pb.FillMasksRequest, context: grpc.aio.ServicerContext) -> pb.FillMasksReply:
+        return await self._fill_masks(request, context)
+
+    async def _fill_masks(self, request: pb.FillMasksRequest, context: grpc.aio.ServicerContext) -> pb.FillMasksReply:
         timeout_s = _deadline_s(
             request.deadline_ms, self._config.fence_deadline_s, self._config.max_fence_deadline_s, context
         )
@@ -215,9 +224,31 @@ class GrammarServicer(pb_grpc.GrammarServicer):
     # ---------------------------------------------------------------- Release / GetState
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
+        return await self._release(request)
+
+    async def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseReply:
         # On the pool: releasing waits for a mask computation in progress on the same matcher.
         refusals = await self._run(self.registry.release, list(request.request_ids))
         return pb.ReleaseReply(codes=[pb.OK if r is None else convert.REFUSAL_CODES[r] for r in refusals])
+
+    # ---------------------------------------------------------------- Stream
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[pb.StreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamReply]:
+        """The per-step calls on one stream: each message answered in order, exactly like its unary twin."""
+        async for request in request_iterator:
+            call = request.WhichOneof("call")
+            if call == "commit":
+                yield pb.StreamReply(commit=self._commit(request.commit))
+            elif call == "fill_masks":
+                yield pb.StreamReply(fill_masks=await self._fill_masks(request.fill_masks, context))
+            elif call == "release":
+                yield pb.StreamReply(release=await self._release(request.release))
+            else:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "a Stream message must carry one of commit, fill_masks, release"
+                )
 
     async def GetState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> pb.GrammarState:
         compiler = self.registry.compiler

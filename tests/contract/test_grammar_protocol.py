@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -43,7 +44,7 @@ from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
 from services.grammar.server import SERVICE_NAME, GrammarThread
-from services.grammar_client import AsyncGrammarClient, GrammarClient
+from services.grammar_client import AsyncGrammarClient, GrammarClient, GrammarStreamError, RemoteGrammar
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = '{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'
@@ -361,6 +362,96 @@ def test_client_returns_engine_values(target: str, tokens: list[int]) -> None:
 
     ahead, current = asyncio.run(run_async())
     assert ahead.refusal is Refusal.AHEAD and current.rows is not None
+
+
+# ---------------------------------------------------------------- the per-step stream
+
+
+def test_the_stream_answers_each_call_like_its_unary_twin_in_order(
+    stub: pb_grpc.GrammarStub, tokens: list[int]
+) -> None:
+    """C2, C3 over the Stream RPC: a misbehaving peer's stale commit, mask at a past ordinal and mask after release
+    are refused with the same codes as on the unary calls, and every reply is of its request's kind, in order.
+    Enforced by the `call == "fill_masks"` branch of GrammarServicer.Stream; without it the first mask message ends
+    the stream with INVALID_ARGUMENT."""
+    rid, twin = open_one(stub), open_one(stub)
+    assert commit(stub, twin, 0, tokens[:2]).new_ordinal == 2
+    calls = [
+        pb.StreamRequest(commit=pb.CommitRequest(entries=[pb.CommitEntry(request_id=rid, tokens=tokens[:2])])),
+        pb.StreamRequest(
+            commit=pb.CommitRequest(entries=[pb.CommitEntry(request_id=rid, from_ordinal=1, tokens=tokens[1:2])])
+        ),
+        pb.StreamRequest(fill_masks=pb.FillMasksRequest(entries=[pb.MaskEntry(request_id=rid, ordinal=1)])),
+        pb.StreamRequest(fill_masks=pb.FillMasksRequest(entries=[pb.MaskEntry(request_id=rid, ordinal=2)])),
+        pb.StreamRequest(release=pb.ReleaseRequest(request_ids=[rid])),
+        pb.StreamRequest(fill_masks=pb.FillMasksRequest(entries=[pb.MaskEntry(request_id=rid, ordinal=2)])),
+    ]
+    replies = list(stub.Stream(iter(calls), timeout=WAIT_S))
+    assert [r.WhichOneof("reply") for r in replies] == [c.WhichOneof("call") for c in calls]
+    done, stale, past, current, released, after = replies
+    assert done.commit.results[0].code == pb.OK and done.commit.results[0].new_ordinal == 2
+    assert stale.commit.results[0].code == pb.STALE_ORDINAL
+    assert past.fill_masks.results[0].code == pb.AHEAD
+    assert mask_row(current.fill_masks) == mask_row(masks(stub, [pb.MaskEntry(request_id=twin, ordinal=2)]))
+    assert list(released.release.codes) == [pb.OK]
+    assert after.fill_masks.results[0].code == pb.RELEASED
+    assert release(stub, twin) == [pb.OK]
+
+
+def test_a_stream_message_without_a_call_ends_the_stream_with_invalid_argument(stub: pb_grpc.GrammarStub) -> None:
+    """Enforced by the `context.abort(INVALID_ARGUMENT, ...)` of GrammarServicer.Stream; without it the empty
+    message is skipped and the stream ends OK with no reply."""
+    with pytest.raises(grpc.RpcError) as failed:
+        list(stub.Stream(iter([pb.StreamRequest()]), timeout=WAIT_S))
+    assert failed.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "one of commit, fill_masks, release" in (failed.value.details() or "")
+
+
+def test_a_commit_reaches_a_mask_waiting_on_the_clients_other_stream(
+    stub: pb_grpc.GrammarStub, target: str, tokens: list[int]
+) -> None:
+    """C3 through one client: a mask waiting at the fence on the mask stream is answered by a commit sent
+    afterwards on the commit stream. Enforced by GrammarClient keeping two streams (`self._mask_stream`); with
+    one stream for both, the commit queues behind the waiting mask, which ends BEHIND_DEADLINE."""
+    rid = open_one(stub)
+    out = torch.zeros((1, row_words(stub)), dtype=torch.int32)  # [1, W]
+    with GrammarClient(target, timeout_s=WAIT_S) as client, ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = pool.submit(client.stream_fill_masks_into, [MaskEntry(rid, 1)], 3.0, out, [0])
+        wait_until_fenced(stub, 1)
+        [done] = client.stream_commit([CommitEntry(rid, 0, (tokens[0],))])
+        assert done.result is not None and done.result.new_ordinal == 1
+        assert waiting.result(WAIT_S) == {}
+        assert out[0].numpy().astype("<i4").tobytes() == mask_row(
+            masks(stub, [pb.MaskEntry(request_id=rid, ordinal=1)])
+        )
+        assert client.stream_release([rid]) == [None]
+
+
+def test_a_lost_service_fails_the_stream_calls_and_remote_grammar_ends_only_constrained_work(
+    embedded_model_dir: Path,
+) -> None:
+    """A stream whose service is gone raises GrammarStreamError (not a hang); RemoteGrammar turns a failed commit
+    into an INTERNAL answer per entry and a failed release into a log line, as on the unary calls."""
+    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
+    served = GrammarThread(compiler)
+    client = GrammarClient(f"127.0.0.1:{served.port}", timeout_s=WAIT_S)
+    remote = RemoteGrammar(client)
+    try:
+        remote.open("gone", Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA))
+        assert client.stream_release(["never"]) == [Refusal.UNKNOWN]  # the commit stream is open
+        served.stop()
+        with pytest.raises(GrammarStreamError):
+            client.stream_commit([CommitEntry("gone", 0, (1,))])
+        [lost] = remote.commit([CommitEntry("gone", 0, (1,))])
+        assert lost.refusal is Refusal.INTERNAL and "unavailable" in lost.message
+        remote.release(["gone"])  # logged, not raised
+    finally:
+        remote.close()
+        compiler.shutdown()
+
+
+def row_words(stub: pb_grpc.GrammarStub) -> int:
+    return stub.GetState(pb.StateRequest(), timeout=WAIT_S).words_per_row
 
 
 def test_mask_rows_are_deduplicated_and_full_rows_travel_as_flags() -> None:
