@@ -34,8 +34,8 @@ from engine.grammar.registry import (
     MaskOutcome,
     MaskRefusals,
     MaskRows,
+    mask_buffer,
     mask_outcomes,
-    mask_starts,
 )
 from engine.grammar.schema import JsonSchemaPolicy, PolicyOutcome, Unenforced, UnenforcedSchemaError
 
@@ -67,7 +67,7 @@ __all__ = [
     "UnenforcedSchemaError",
     "VersionedMatcher",
     "load_tokenizer_info",
+    "mask_buffer",
     "mask_outcomes",
-    "mask_starts",
     "words_per_row",
 ]

@@ -91,14 +91,14 @@ class MaskOutcome:
 MaskRefusals = dict[int, tuple[Refusal, str]]
 
 
-def mask_starts(entries: Sequence[MaskEntry]) -> list[int]:
-    """First row of each entry when the entries' rows are laid out one after another."""
+def mask_buffer(entries: Sequence[MaskEntry], words_per_row: int) -> tuple[torch.Tensor, list[int]]:
+    """A zeroed int32 buffer [N, W] for every entry's rows one after another, and each entry's first row."""
     starts: list[int] = []
     total = 0
     for entry in entries:
         starts.append(total)
         total += entry.num_rows
-    return starts
+    return torch.zeros((total, words_per_row), dtype=torch.int32), starts
 
 
 def mask_outcomes(
@@ -214,8 +214,7 @@ class GrammarRegistry:
 
     def poll_masks(self, entries: Sequence[MaskEntry]) -> list[MaskOutcome]:
         """Answer each entry from the state it names, without waiting: BEHIND where the matcher is not there yet."""
-        out = torch.zeros((sum(e.num_rows for e in entries), self._compiler.words_per_row), dtype=torch.int32)
-        starts = mask_starts(entries)
+        out, starts = mask_buffer(entries, self._compiler.words_per_row)  # [N, W]
         answers = self.poll_masks_into(entries, out, starts)
         refusals = {i: answer for i, answer in enumerate(answers) if answer is not None}
         return mask_outcomes(entries, out, starts, refusals)
@@ -268,8 +267,7 @@ class GrammarRegistry:
 
     def fill_masks(self, entries: Sequence[MaskEntry], timeout_s: float) -> list[MaskOutcome]:
         """Fenced masks (C3) as per-entry outcomes (each entry's rows in a fresh buffer)."""
-        out = torch.zeros((sum(e.num_rows for e in entries), self._compiler.words_per_row), dtype=torch.int32)
-        starts = mask_starts(entries)
+        out, starts = mask_buffer(entries, self._compiler.words_per_row)  # [N, W]
         return mask_outcomes(entries, out, starts, self.fill_masks_into(entries, timeout_s, out, starts))
 
     def fill_masks_into(

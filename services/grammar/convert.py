@@ -24,8 +24,8 @@ from engine.grammar import (
     MaskOutcome,
     MaskRefusals,
     Refusal,
+    mask_buffer,
     mask_outcomes,
-    mask_starts,
 )
 from protos import grammar_pb2 as pb
 
@@ -202,6 +202,5 @@ def decode_masks_into(
 
 def decode_masks(reply: pb.FillMasksReply, entries: Sequence[MaskEntry]) -> list[MaskOutcome]:
     """Unpack a FillMasks reply into per-entry outcomes with int32 [R, W] mask tensors (views of one tensor)."""
-    out = torch.zeros((sum(e.num_rows for e in entries), reply.words_per_row), dtype=torch.int32)  # [N, W]
-    starts = mask_starts(entries)
+    out, starts = mask_buffer(entries, reply.words_per_row)  # [N, W]
     return mask_outcomes(entries, out, starts, decode_masks_into(reply, entries, out, starts))

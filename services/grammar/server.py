@@ -36,7 +36,7 @@ from engine.grammar import (
     MaskFence,
     MaskRefusals,
     Refusal,
-    mask_starts,
+    mask_buffer,
 )
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
@@ -199,8 +199,7 @@ class GrammarServicer(pb_grpc.GrammarServicer):
                 answers[i] = (refused.code, f"{message.request_id}: {refused}")
         entries = [entry for _, entry in valid]
         # The fence writes every mask into one reply buffer, which is packed straight from there.
-        out = torch.zeros((sum(e.num_rows for e in entries), self.registry.compiler.words_per_row), dtype=torch.int32)
-        starts = mask_starts(entries)
+        out, starts = mask_buffer(entries, self.registry.compiler.words_per_row)
         refusals = await self._fence(entries, timeout_s, out, starts)
         for (i, _), answer in zip(valid, convert.mask_answers(entries, starts, refusals), strict=True):
             answers[i] = answer
