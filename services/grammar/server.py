@@ -1,9 +1,10 @@
 """The grammar service: one :class:`~engine.grammar.GrammarRegistry` served as ``ordinal.grammar.v1.Grammar``.
 
-Compiles run on the compiler's own pool, so a slow compile never delays a step's commits or masks. A commit
-runs on the event loop itself: it is bounded (an xgrammar ``accept_token`` per committed token, microseconds
-each) and it is what a waiting mask needs next, so a thread hop would only add latency on the step's critical
-path. Mask computation and releases run on a small thread pool. A fenced mask request that must wait for a
+Compiles run on the compiler's own pool, so a slow compile never delays a step's commits or masks. Commits and
+releases run on the event loop itself: they are bounded (an xgrammar ``accept_token`` per committed token,
+microseconds each; a release waits at most for one mask batch holding the matcher) and a waiting mask needs them
+next, so a thread hop would only add CPU and latency on the step's critical path. Mask computation runs on a small
+thread pool. A fenced mask request that must wait for a
 commit holds no thread: it awaits a loop-side signal that the registry raises after every commit and release,
 then polls again (C3); a poll that finds every entry still behind is a few dict lookups and stays on the loop.
 
@@ -223,11 +224,11 @@ class GrammarServicer(pb_grpc.GrammarServicer):
     # ---------------------------------------------------------------- Release / GetState
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
-        return await self._release(request)
+        return self._release(request)
 
-    async def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseReply:
-        # On the pool: releasing waits for a mask computation in progress on the same matcher.
-        refusals = await self._run(self.registry.release, list(request.request_ids))
+    def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseReply:
+        # On the loop, like a commit: at worst it waits for one mask batch in progress on the same matcher.
+        refusals = self.registry.release(list(request.request_ids))
         return pb.ReleaseReply(codes=[pb.OK if r is None else convert.REFUSAL_CODES[r] for r in refusals])
 
     # ---------------------------------------------------------------- Stream
@@ -243,7 +244,7 @@ class GrammarServicer(pb_grpc.GrammarServicer):
             elif call == "fill_masks":
                 yield pb.StreamReply(fill_masks=await self._fill_masks(request.fill_masks, context))
             elif call == "release":
-                yield pb.StreamReply(release=await self._release(request.release))
+                yield pb.StreamReply(release=self._release(request.release))
             else:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "a Stream message must carry one of commit, fill_masks, release"
