@@ -263,13 +263,6 @@ class GrammarClient:
         reply = self._stub.FillMasks(_fill_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
         return convert.decode_masks(reply, entries)
 
-    def fill_masks_into(
-        self, entries: Sequence[MaskEntry], deadline_s: float | None, out: torch.Tensor, starts: Sequence[int]
-    ) -> MaskRefusals:
-        """Fenced masks written straight into ``out`` [N, W] (entry i's rows from ``starts[i]``); the refusals."""
-        reply = self._stub.FillMasks(_fill_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
-        return convert.decode_masks_into(reply, entries, out, starts)
-
     def release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
         reply = self._stub.Release(pb.ReleaseRequest(request_ids=list(request_ids)), timeout=self._timeout_s)
         return _release_outcomes(reply, request_ids)
@@ -287,6 +280,7 @@ class GrammarClient:
     def stream_fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float | None, out: torch.Tensor, starts: Sequence[int]
     ) -> MaskRefusals:
+        """Fenced masks written straight into ``out`` [N, W] (entry i's rows from ``starts[i]``); the refusals."""
         request = pb.StreamRequest(fill_masks=_fill_request(entries, deadline_s))
         reply = self._mask_stream.exchange(request, self._timeout_s + (deadline_s or 0)).fill_masks
         return convert.decode_masks_into(reply, entries, out, starts)
