@@ -300,8 +300,10 @@ class Scheduler:
                 code = got.refusal.value if got.refusal is not None else "error"
                 refused[req.request_id] = _grammar_abort(f"grammar commit refused ({code}): {got.message}")
             elif got.result.rejected_token is not None:
+                named = req.constraint.describe() if req.constraint is not None else "unknown"
                 refused[req.request_id] = _grammar_abort(
-                    f"the grammar refused token {sample.token_id} at output position {len(req.output_ids)}"
+                    f"the grammar refused token {sample.token_id} at output position {len(req.output_ids)} "
+                    f"(constraint: {named})"
                 )
             elif got.result.terminated:
                 req.grammar_terminated = True

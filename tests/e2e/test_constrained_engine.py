@@ -284,6 +284,7 @@ def test_a_refused_token_aborts_only_its_request(
     finish = streams[victim].final.finish
     assert finish is not None and finish.reason is FinishReason.ABORT and finish.cause is AbortCause.GRAMMAR
     assert finish.message is not None and "grammar refused token" in finish.message
+    assert "(constraint: regex '(cat|dog|bird)')" in finish.message  # C13: the abort names the grammar
     assert streams[victim].streamed_ids == [] and streams[victim].final.output_ids == ()
     del got[victim]
     assert got == {rid: v for rid, v in reference.items() if rid != victim}
