@@ -260,7 +260,7 @@ class VersionedMatcher:
             and self._state is not MatcherState.RELEASED
             and self._state is not MatcherState.REJECTED
         ):
-            return  # the common case, decided in two comparisons
+            return  # the common case: at the ordinal, still accepting commits
         if self._state is MatcherState.RELEASED:
             raise GrammarProtocolError(Refusal.RELEASED, f"{self._name}: commit after release")
         if from_ordinal < here:
