@@ -207,10 +207,9 @@ class VersionedMatcher:
         commit at its ordinal with nothing accepted. Raises :class:`GrammarProtocolError` if ``from_ordinal``
         is not the current ordinal, or the matcher is released or has refused a token before.
         """
-        answer = commit_rows([(self, from_ordinal, tokens)])[0]
-        if isinstance(answer, GrammarProtocolError):
-            raise answer
-        return answer
+        with self._lock:
+            self._check_commit(from_ordinal)
+            return self._feed(tokens)
 
     def fill_mask(self, at_ordinal: int, out_row: torch.Tensor) -> bool:
         """Write the allowed next tokens at ``at_ordinal`` into ``out_row`` (int32 CPU [W], xgrammar layout).
@@ -279,10 +278,22 @@ class VersionedMatcher:
         if self._state is MatcherState.REJECTED:
             raise GrammarProtocolError(Refusal.REJECTED, f"{self._name}: {self._rejection()}; it accepts nothing more")
 
-    def _refuse_token(self, token: int) -> None:
-        """C13: the grammar refused ``token`` at the current ordinal; the matcher is finished."""
-        self._state = MatcherState.REJECTED
-        self._rejected = (token, self._ordinal)
+    def _feed(self, tokens: Sequence[int]) -> CommitResult:
+        accepted = 0
+        rejected: int | None = None
+        if self._state is MatcherState.ACTIVE:
+            for token in tokens:
+                if not (0 <= token < self._vocab_size and self._matcher.accept_token(token)):
+                    rejected = int(token)
+                    self._state = MatcherState.REJECTED
+                    self._rejected = (rejected, self._ordinal + accepted)
+                    break
+                accepted += 1
+                if self._matcher.is_terminated():
+                    self._state = MatcherState.TERMINATED
+                    break  # C6: whatever follows the stop token is not fed
+        self._ordinal += accepted
+        return CommitResult(accepted, self._state is MatcherState.TERMINATED, rejected, self._ordinal)
 
     def _check_mask(self, at_ordinal: int) -> None:
         refusal = self._mask_refusal(at_ordinal)
@@ -358,114 +369,6 @@ def fill_mask_rows(
         for matcher in held:
             matcher._lock.release()
     return answers
-
-
-def commit_rows(
-    requests: Sequence[tuple[VersionedMatcher, int, Sequence[int]]],
-) -> list[CommitResult | GrammarProtocolError]:
-    """Commit ``requests`` = (matcher, from_ordinal, tokens) as :meth:`VersionedMatcher.commit` would, in a batch.
-
-    The batched form, for the registry's per-step batches: token position p of every request still accepting is fed
-    by one xgrammar call (``batch_accept_token``), so a decode step of 32 one-token commits makes one call, not 32.
-    Each xgrammar call releases the GIL, and the forward's thread, dispatching ops, takes it back every time: in a
-    serving step a call per token cost about ten times the parsing itself, all of it stolen from the forward.
-
-    Answers per request: its :class:`CommitResult`, or the :class:`GrammarProtocolError` that refused it (nothing
-    fed). C2, C6 and C13 hold exactly as in the single form, under every matcher's lock (taken in ``id`` order). A
-    matcher named twice is committed request by request, in order, as separate calls would.
-    """
-    if len({id(m) for m, _, _ in requests}) < len(requests):
-        return [_commit_locked([request])[0] for request in requests]
-    return _commit_locked(requests)
-
-
-def _commit_locked(
-    requests: Sequence[tuple[VersionedMatcher, int, Sequence[int]]],
-) -> list[CommitResult | GrammarProtocolError]:
-    """:func:`commit_rows` for distinct matchers: check every ordinal, then feed, holding all their locks."""
-    held = sorted((m for m, _, _ in requests), key=id)
-    for matcher in held:
-        matcher._lock.acquire()
-    try:
-        answers: list[_Feed | GrammarProtocolError] = []
-        for matcher, from_ordinal, tokens in requests:
-            try:
-                matcher._check_commit(from_ordinal)
-                answers.append(_Feed(matcher, tokens, from_ordinal))
-            except GrammarProtocolError as refused:
-                answers.append(refused)
-        _feed_positions([answer for answer in answers if isinstance(answer, _Feed)])
-        return [answer.result() if isinstance(answer, _Feed) else answer for answer in answers]
-    finally:
-        for matcher in held:
-            matcher._lock.release()
-
-
-@dataclass
-class _Feed:
-    """One request of a commit batch being fed; its matcher's lock is held throughout."""
-
-    matcher: VersionedMatcher
-    tokens: Sequence[int]
-    start: int  # the ordinal the commit started from
-    rejected: int | None = None
-    failure: str = ""  # xgrammar raised while feeding this request
-
-    @property
-    def accepting(self) -> bool:
-        return self.matcher._state is MatcherState.ACTIVE
-
-    def result(self) -> CommitResult | GrammarProtocolError:
-        m = self.matcher
-        if self.failure:
-            return GrammarProtocolError(Refusal.INTERNAL, f"{m._name}: {self.failure}; the grammar is finished")
-        return CommitResult(m._ordinal - self.start, m._state is MatcherState.TERMINATED, self.rejected, m._ordinal)
-
-    def refuse(self, token: int) -> None:
-        self.rejected = token
-        self.matcher._refuse_token(token)
-
-    def accept(self) -> None:
-        m = self.matcher
-        m._ordinal += 1
-        if m._matcher.is_terminated():
-            m._state = MatcherState.TERMINATED  # C6: whatever follows the stop token is not fed
-
-
-def _feed_positions(feeds: list[_Feed]) -> None:
-    """Feed every request's tokens, position by position, one xgrammar call per position.
-
-    A request stops at its first refused token (C13) or at the one that terminates the grammar (C6); a terminated
-    matcher is fed nothing. If xgrammar itself fails, the matchers of that call are in an unknown state: each is
-    finished (answered INTERNAL), so the request ends and no mask is ever computed from that state.
-    """
-    live = [feed for feed in feeds if feed.accepting]
-    position = 0
-    while live:
-        live = [feed for feed in live if position < len(feed.tokens)]
-        tokens = [int(feed.tokens[position]) for feed in live]
-        for feed, token in zip(live, tokens, strict=True):
-            if not 0 <= token < feed.matcher._vocab_size:
-                feed.refuse(token)
-        batch = [(feed, token) for feed, token in zip(live, tokens, strict=True) if feed.accepting]
-        if not batch:
-            return
-        try:
-            accepted = xgr.BatchGrammarMatcher.batch_accept_token(
-                [feed.matcher._matcher for feed, _ in batch], [token for _, token in batch]
-            )
-        except Exception as error:
-            for feed, token in batch:
-                feed.matcher._refuse_token(token)
-                feed.failure = f"xgrammar failed: {type(error).__name__}: {error}"
-            return
-        for (feed, token), ok in zip(batch, accepted, strict=True):
-            if ok:
-                feed.accept()
-            else:
-                feed.refuse(token)
-        live = [feed for feed, _ in batch if feed.accepting]
-        position += 1
 
 
 def _int64(values: list[int]) -> torch.Tensor:

@@ -31,7 +31,6 @@ from engine.grammar.matcher import (
     GrammarProtocolError,
     Refusal,
     VersionedMatcher,
-    commit_rows,
     fill_mask_rows,
 )
 
@@ -194,23 +193,22 @@ class GrammarRegistry:
     # ---------------------------------------------------------------- commit
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
-        """Apply one step's commits; each entry is answered on its own, a bad one never spoils the others.
-
-        The open matchers are committed together (:func:`commit_rows`: one xgrammar call per token position)."""
+        """Apply one step's commits; each entry is answered on its own, a bad one never spoils the others."""
         try:
             found = self._lookup_many([entry.request_id for entry in entries])
-            batch = [
-                (m, e.from_ordinal, e.tokens)
-                for e, m in zip(entries, found, strict=True)
-                if isinstance(m, VersionedMatcher)
-            ]
-            results = iter(commit_rows(batch))
-            return [
-                _commit_outcome(next(results)) if isinstance(m, VersionedMatcher) else CommitOutcome(None, *m)
-                for m in found
-            ]
+            return [self._commit_one(entry, matcher) for entry, matcher in zip(entries, found, strict=True)]
         finally:
             self._bump()
+
+    def _commit_one(self, entry: CommitEntry, matcher: VersionedMatcher | tuple[Refusal, str]) -> CommitOutcome:
+        if not isinstance(matcher, VersionedMatcher):
+            return CommitOutcome(None, *matcher)
+        try:
+            return CommitOutcome(matcher.commit(entry.from_ordinal, entry.tokens))
+        except GrammarProtocolError as refused:
+            return CommitOutcome(None, refused.code, str(refused))
+        except Exception as error:  # xgrammar failed: report it on this entry only
+            return CommitOutcome(None, Refusal.INTERNAL, f"{entry.request_id}: {type(error).__name__}: {error}")
 
     # ---------------------------------------------------------------- masks
 
@@ -359,12 +357,6 @@ class GrammarRegistry:
             self._changed.notify_all()
         if self._on_change is not None:
             self._on_change()
-
-
-def _commit_outcome(result: CommitResult | GrammarProtocolError) -> CommitOutcome:
-    if isinstance(result, GrammarProtocolError):
-        return CommitOutcome(None, result.code, str(result))
-    return CommitOutcome(result)
 
 
 def _answered(entry: MaskEntry, compute: Callable[[], object]) -> tuple[Refusal, str] | None:

@@ -31,7 +31,6 @@ from engine.grammar import (
     Refusal,
     VersionedMatcher,
 )
-from engine.grammar.matcher import commit_rows
 from engine.model.tokenizer import Tokenizer
 
 SCHEMA = '{"type":"object","properties":{"name":{"type":"string"},"n":{"type":"integer"}},"required":["name","n"]}'
@@ -161,53 +160,6 @@ def test_commit_from_wrong_ordinal_is_refused(schema: CompiledConstraint, tokeni
     assert matcher.ordinal == 2
     assert torch.equal(mask_at(matcher, 2), before)
     assert matcher.commit(2, tokens[2:3]).new_ordinal == 3
-
-
-def test_a_batch_of_commits_equals_the_commits_one_by_one(
-    schema: CompiledConstraint, tokenizer: Tokenizer, eos: int
-) -> None:
-    """C2, C6, C13 in the batched path (``commit_rows``, one xgrammar call per token position): a batch mixing
-    plain, multi-token, terminating, refused, out-of-vocabulary, stale, terminated and repeated commits answers
-    each exactly as the same commits made one by one on twin matchers, and leaves each matcher in the same state."""
-    tokens = ids(tokenizer, VALID_JSON)
-    bad = ids(tokenizer, "x")[0]
-    trailing = ids(tokenizer, " trailing")
-    prefixes = [[], tokens[:1], tokens[:3], [], [], tokens[:2], [*tokens, eos], [], []]
-    commits: list[tuple[int, int, list[int]]] = [  # (matcher, from ordinal, tokens)
-        (0, 0, tokens[:1]),
-        (1, 1, tokens[1:5]),
-        (2, 3, [*tokens[3:], eos, *trailing]),  # C6: nothing after the stop token
-        (3, 0, [*tokens[:2], bad, *tokens[3:5]]),  # C13: the refused token is named, nothing after it is fed
-        (4, 0, [schema.vocab_size + 3]),
-        (5, 0, tokens[:2]),  # stale: a replay
-        (6, len(tokens) + 1, trailing),  # terminated: answered at its ordinal, nothing fed
-        (7, 0, tokens[:2]),
-        (7, 2, tokens[2:4]),  # the same matcher twice, in order
-        (8, 0, tokens[:1]),
-        (8, 0, tokens[:1]),  # ...and a duplicate commit in one batch: the second is a replay
-    ]
-
-    def twins() -> list[VersionedMatcher]:
-        matchers = [VersionedMatcher(schema, name=f"m{i}") for i in range(len(prefixes))]
-        for matcher, prefix in zip(matchers, prefixes, strict=True):
-            if prefix:
-                matcher.commit(0, prefix)
-        return matchers
-
-    def answer(call: object) -> object:
-        try:
-            return call()  # type: ignore[operator]
-        except GrammarProtocolError as refused:
-            return refused.code, str(refused)
-
-    alone, batched = twins(), twins()
-    expected = [answer(lambda m=alone[i], o=o, t=t: m.commit(o, t)) for i, o, t in commits]
-    got = commit_rows([(batched[i], o, t) for i, o, t in commits])
-    assert [g if isinstance(g, CommitResult) else (g.code, str(g)) for g in got] == expected
-    for one, other in zip(alone, batched, strict=True):
-        assert (one.ordinal, one.state) == (other.ordinal, other.state)
-        if one.state is MatcherState.ACTIVE:
-            assert torch.equal(mask_at(one, one.ordinal), mask_at(other, other.ordinal))
 
 
 def test_mask_at_wrong_ordinal_is_refused(schema: CompiledConstraint, tokenizer: Tokenizer) -> None:
