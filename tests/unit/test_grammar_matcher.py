@@ -26,6 +26,7 @@ from engine.grammar import (
     GrammarTimeoutError,
     InvalidGrammarError,
     MaskEntry,
+    MaskFence,
     MaskOutcome,
     MatcherState,
     Refusal,
@@ -270,6 +271,40 @@ def test_fence_waits_and_is_released_by_a_commit_from_another_thread(
     [outcome] = answers
     assert outcome.rows is not None, outcome
     assert torch.equal(outcome.rows.words[0], mask_at(matcher, 2))
+    assert registry.num_waiting == 0
+
+
+def test_a_commit_fills_the_rows_of_a_fence_waiting_for_it(registry: GrammarRegistry, tokenizer: Tokenizer) -> None:
+    """C3/C4, delayed sampling: the commit that lets a waiting fence's entry through fills that entry's row itself,
+    at exactly the ordinal the entry names, so the fence's own thread finds nothing left to compute. A fence that
+    has answered is closed: a later commit writes nothing into its buffer, which its owner may be sampling from.
+    (Without ``GrammarRegistry._complete_fences`` the rows are still zero right after the commits; without the
+    ``_closed`` check in ``MaskFence.complete`` the answered fence's row is overwritten.)"""
+    tokens = ids(tokenizer, VALID_JSON)
+    schema = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
+    reference = VersionedMatcher(registry.compiler.compile(schema, WAIT_S))
+    reference.commit(0, tokens[:2])
+    expected = mask_at(reference, 2)  # [W]
+    for rid in ("a", "b", "late"):
+        registry.open(rid, schema, WAIT_S)
+    words = registry.compiler.words_per_row
+    out = torch.zeros((2, words), dtype=torch.int32)  # [2, W]
+    closed_out = torch.zeros((1, words), dtype=torch.int32)  # [1, W]
+    with MaskFence(registry, [MaskEntry("late", 2)], 0.0, closed_out, [0]) as answered:
+        assert not answered.poll()
+        assert answered.refusals()[0][0] is Refusal.BEHIND_DEADLINE
+        with MaskFence(registry, [MaskEntry("a", 2), MaskEntry("b", 2)], WAIT_S, out, [0, 1]) as fence:
+            assert not fence.poll() and registry.num_waiting == 3
+            registry.commit([CommitEntry("a", 0, tuple(tokens[:2])), CommitEntry("late", 0, tuple(tokens[:2]))])
+            assert not closed_out.any(), "a commit wrote into a fence that had already answered"
+            assert torch.equal(out[0], expected) and not out[1].any()
+            assert registry.num_waiting == 2  # "b" waits; the answered fence still counts "late" until it exits
+            registry.commit([CommitEntry("b", 0, tuple(tokens[:1]))])
+            assert not out[1].any()  # "b" is at ordinal 1: still behind, nothing written
+            registry.commit([CommitEntry("b", 1, tuple(tokens[1:2]))])
+            assert torch.equal(out[1], expected)
+            assert not fence.ready() and fence.poll() and fence.refusals() == {}
+        assert not closed_out.any()
     assert registry.num_waiting == 0
 
 
