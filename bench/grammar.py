@@ -3,7 +3,9 @@
 The in-process engine on one model (the embedded one by default) serves the same closed-loop workload three ways:
 unconstrained; constrained with delayed sampling (``grammar_overlap``, the default: masks are fetched while the
 forward runs); constrained with early commit (``grammar_overlap=False``). ``--streams`` requests are in flight at
-all times: a new one is submitted whenever one finishes. Constrained requests each follow one JSON schema, cycled
+all times: a new one is submitted whenever one finishes. A rate counts the output tokens streamed while all streams
+are busy, from the first submit to the last: the drain after it runs below that concurrency and lasts as long as
+the longest outputs, which differ between the modes. Constrained requests each follow one JSON schema, cycled
 from a built-in set or from ``--schemas DIR`` (``*.json`` files, e.g. a JSONSchemaBench folder). The modes run
 in interleaved rounds, so that load from outside the benchmark slows each of them alike; the table shows the best
 and the median round, and the paired ratio: the median over rounds of a mode's rate against the unconstrained rate
@@ -184,7 +186,7 @@ class Tally:
     """One mode's measurements over every round."""
 
     name: str
-    rates: list[float] = field(default_factory=list)  # output tokens/s of each round
+    rates: list[float] = field(default_factory=list)  # output tokens/s of each round, in its steady window
     cpu_s: float = 0.0  # this process's CPU time (every thread) over all rounds: what outside load cannot inflate
     output_tokens: int = 0
     requests: int = 0
@@ -235,19 +237,53 @@ def constrain(jobs: list[Job], schemas: Sequence[Constraint]) -> list[Job]:
     return [replace(job, constraint=schemas[i % len(schemas)]) for i, job in enumerate(jobs)]
 
 
+class SteadyWindow:
+    """Output tokens streamed, and the time, while all ``streams`` requests are in flight: from the first submit
+    until the last job is submitted (:meth:`close`).
+
+    The drain after the last submit runs below the concurrency asked, and its length is set by the longest outputs
+    still running: constrained outputs end earlier and more unevenly (a grammar can terminate), so counting the
+    drain would charge the grammar for a tail that is a property of the workload. Tokens are counted as they stream.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = time.perf_counter()
+        self._tokens = 0
+        self._closed: tuple[float, int] | None = None  # (seconds, tokens) at the last submit
+
+    def add(self, tokens: int) -> None:
+        with self._lock:
+            self._tokens += tokens
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed is None:
+                self._closed = (time.perf_counter() - self._started, self._tokens)
+
+    @property
+    def rate(self) -> float:
+        """Output tokens per second over the window (closed at the last submit, or now)."""
+        self.close()
+        assert self._closed is not None
+        seconds, tokens = self._closed
+        return tokens / seconds
+
+
 def closed_loop(
     engine: Engine, jobs: Sequence[Job], streams: int, timeout_s: float
-) -> tuple[float, list[RequestOutput]]:
-    """Keep ``streams`` requests in flight until every job ran; returns the wall time and the final outputs."""
+) -> tuple[SteadyWindow, list[RequestOutput]]:
+    """Keep ``streams`` requests in flight until every job ran; returns the steady window and the final outputs."""
     finished: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+    window = SteadyWindow()
 
     def sink(out: RequestOutput) -> None:
+        window.add(len(out.new_token_ids))
         if out.finished:
             finished.put(out)
 
     pending = list(reversed(jobs))
     finals: list[RequestOutput] = []
-    started = time.perf_counter()
     for _ in range(min(streams, len(pending))):
         job = pending.pop()
         engine.submit(job.prompt, job.params, sink, constraint=job.constraint)
@@ -256,7 +292,9 @@ def closed_loop(
         if pending:
             job = pending.pop()
             engine.submit(job.prompt, job.params, sink, constraint=job.constraint)
-    return time.perf_counter() - started, finals
+            if not pending:
+                window.close()
+    return window, finals
 
 
 class Mode:
@@ -288,7 +326,7 @@ class Mode:
 
     def run_round(self, jobs: list[Job], streams: int) -> None:
         cpu_started = time.process_time()
-        wall, finals = closed_loop(self.engine, jobs, streams, timeout_s=600)
+        window, finals = closed_loop(self.engine, jobs, streams, timeout_s=600)
         self.tally.cpu_s += time.process_time() - cpu_started
         aborted = [o.finish for o in finals if o.finish is not None and o.finish.reason is FinishReason.ABORT]
         if aborted:
@@ -296,7 +334,7 @@ class Mode:
         if not self.engine.wait_idle(60) or self._grammar.num_open != 0:
             raise RuntimeError(f"{self.tally.name}: the engine did not drain, or matchers were left open")
         tokens = sum(o.num_output_tokens for o in finals)
-        self.tally.rates.append(tokens / wall)
+        self.tally.rates.append(window.rate)
         self.tally.output_tokens += tokens
         self.tally.requests += len(finals)
         self.tally.finished_by_stop += sum(
@@ -320,12 +358,13 @@ def process_cpu_s(pids: Sequence[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-async def grpc_closed_loop(target: str, jobs: Sequence[Job], streams: int) -> tuple[float, int, int]:
+async def grpc_closed_loop(target: str, jobs: Sequence[Job], streams: int) -> tuple[SteadyWindow, int, int]:
     """``streams`` concurrent Generate streams through the scheduler's public API until every job ran.
 
-    Returns (wall seconds, output tokens, requests finished by stop)."""
+    Returns (the steady window, output tokens, requests finished by stop)."""
     pending = list(reversed(jobs))
     tokens = stops = 0
+    window = SteadyWindow()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.SglangSchedulerStub(channel)
 
@@ -333,6 +372,8 @@ async def grpc_closed_loop(target: str, jobs: Sequence[Job], streams: int) -> tu
             nonlocal tokens, stops
             while pending:
                 job = pending.pop()
+                if not pending and len(jobs) > streams:
+                    window.close()
                 params = pb.SamplingParams(
                     temperature=job.params.temperature, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=1,
                     max_new_tokens=job.params.max_new_tokens,
@@ -345,14 +386,14 @@ async def grpc_closed_loop(target: str, jobs: Sequence[Job], streams: int) -> tu
                 async for response in stub.Generate(request, timeout=600):
                     if response.HasField("chunk"):
                         tokens += len(response.chunk.token_ids)
+                        window.add(len(response.chunk.token_ids))
                     elif response.HasField("complete"):
                         stops += response.complete.finish_reason == "stop"
                     else:
                         raise RuntimeError(f"request failed: {response}")
 
-        started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(streams)))
-    return time.perf_counter() - started, tokens, stops
+    return window, tokens, stops
 
 
 class SplitMode:
@@ -368,9 +409,9 @@ class SplitMode:
 
     def run_round(self, jobs: list[Job], streams: int) -> None:
         cpu_started = process_cpu_s(self.stack.pids)
-        wall, tokens, stops = asyncio.run(grpc_closed_loop(self.stack.target, jobs, streams))
+        window, tokens, stops = asyncio.run(grpc_closed_loop(self.stack.target, jobs, streams))
         self.tally.cpu_s += process_cpu_s(self.stack.pids) - cpu_started
-        self.tally.rates.append(tokens / wall)
+        self.tally.rates.append(window.rate)
         self.tally.output_tokens += tokens
         self.tally.requests += len(jobs)
         self.tally.finished_by_stop += stops
@@ -450,7 +491,8 @@ def print_table(modes: Sequence[Mode], streams: int) -> None:
         print(f"{rate_cells(mode.tally, base)}{waits:>17}{fills:>17}{reply:>22}")
     rows = [len(answers) for _, answers in modes[1].costs.replies]
     print(
-        f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; ratio: vs unconstrained (paired: "
+        f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; tok/s: output tokens while all "
+        f"{streams} streams are busy (first to last submit); ratio: vs unconstrained (paired: "
         "median of per-round ratios). CPU: this process, all threads (grammar work competes with a CPU forward for "
         "the same cores). wait: the executor blocked on masks after the forward; fill: one batched fill_masks "
         "call (fence wait + masks, overlapped with the forward). Constrained rows per mask step: median "
