@@ -220,7 +220,8 @@ class GrammarRegistry:
         With delayed sampling the executor's fence is usually waiting when the scheduler's commit arrives: its rows
         are filled here, by the committing thread, right after the commit, and the fence's own thread wakes to find
         nothing left to compute. The masks no longer wait for that thread to be scheduled on cores the forward is
-        using (the batched fill call's p50, fence wait included, went from 3.0 to 2.4-2.8 ms in bench/grammar.py).
+        using (in bench/grammar.py runs the fill call's p50, fence wait included, was 2.4-3.0 ms against 3.0-3.3 ms
+        before; throughput did not move beyond the noise).
         C3 holds as in any poll: each row is filled under its matcher's lock at exactly the ordinal it names.
         """
         with self._lock:
