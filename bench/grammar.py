@@ -508,7 +508,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96, help="requests per mode and round")
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--schemas", type=Path, default=None, help="a folder of *.json schemas to cycle through")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per mode, interleaved (best and median shown)")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds per mode, interleaved (best and median shown)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--split", action="store_true", help="through the gRPC services, each its own process")
     args = parser.parse_args()
