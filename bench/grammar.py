@@ -206,6 +206,14 @@ class Tally:
         back, so a slow spell of the machine hits both sides of a pair: steadier than ratios of best or median."""
         return statistics.median(mine / theirs for mine, theirs in zip(self.rates, base.rates, strict=True))
 
+    def paired_interval(self, base: Tally) -> tuple[float, float, float]:
+        """Mean of the per-round ratios against ``base`` and its 95% interval (normal approximation): whether a
+        target lies inside it says whether the rounds could tell the two apart on this machine."""
+        ratios = [mine / theirs for mine, theirs in zip(self.rates, base.rates, strict=True)]
+        mean = statistics.mean(ratios)
+        half = 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
+        return mean, mean - half, mean + half
+
     @property
     def cpu_ms_per_token(self) -> float:
         return 1e3 * self.cpu_s / self.output_tokens
@@ -441,6 +449,7 @@ def run_split(
         "(grammar service, executor, scheduler: separate processes); ratio: vs unconstrained (paired: median of "
         "per-round ratios). CPU: every service process."
     )
+    print_intervals([m.tally for m in modes])
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -473,6 +482,14 @@ def print_rates(tallies: Sequence[Tally]) -> None:
     print("-" * len(RATE_HEADER))
     for t in tallies:
         print(rate_cells(t, tallies[0]))
+
+
+def print_intervals(tallies: Sequence[Tally]) -> None:
+    """One line per mode: the mean per-round ratio against the first mode, with its 95% interval."""
+    print()
+    for t in tallies[1:]:
+        mean, low, high = t.paired_interval(tallies[0])
+        print(f"{t.name}: per-round ratio mean {mean:.3f}, 95% interval {low:.3f}-{high:.3f} ({len(t.rates)} rounds)")
 
 
 def print_table(modes: Sequence[Mode], streams: int) -> None:
@@ -542,6 +559,7 @@ def main() -> None:
         for mode in modes:
             mode.close()
     print_table(modes, args.streams)
+    print_intervals([mode.tally for mode in modes])
 
 
 if __name__ == "__main__":
