@@ -30,6 +30,7 @@ from engine.grammar.matcher import (
     DraftTree,
     GrammarProtocolError,
     Refusal,
+    TokenCalls,
     VersionedMatcher,
     fill_mask_rows,
 )
@@ -141,6 +142,7 @@ class GrammarRegistry:
         self._waiting = 0  # mask entries now waiting at a fence for their commit
         self._fences: set[MaskFence] = set()  # fences in progress: a commit fills the entries it lets through
         self._released: OrderedDict[str, None] = OrderedDict()
+        self._token_calls = TokenCalls.holding_gil()
 
     @property
     def compiler(self) -> ConstraintCompiler:
@@ -183,7 +185,7 @@ class GrammarRegistry:
     def attach(self, request_id: str, compiled: CompiledConstraint) -> VersionedMatcher:
         """Open a matcher for an already compiled constraint (the id is checked again: opens may race)."""
         self.check_can_open(request_id)
-        matcher = VersionedMatcher(compiled, name=f"grammar of {request_id}")
+        matcher = VersionedMatcher(compiled, name=f"grammar of {request_id}", calls=self._token_calls)
         with self._lock:
             if request_id in self._open:
                 raise GrammarProtocolError(Refusal.ALREADY_OPEN, f"{request_id}: a grammar is already open")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from engine.grammar import (
     CommitEntry,
@@ -32,6 +33,7 @@ from engine.grammar import (
     Refusal,
     VersionedMatcher,
 )
+from engine.grammar.matcher import TokenCalls
 from engine.model.tokenizer import Tokenizer
 
 SCHEMA = '{"type":"object","properties":{"name":{"type":"string"},"n":{"type":"integer"}},"required":["name","n"]}'
@@ -145,6 +147,24 @@ def test_termination_stops_feeding(schema: CompiledConstraint, tokenizer: Tokeni
     # A commit at the terminated ordinal is answered without feeding anything.
     assert matcher.commit(result.new_ordinal, trailing) == CommitResult(0, True, None, result.new_ordinal)
     assert refused(mask_at, matcher, result.new_ordinal).code is Refusal.TERMINATED
+
+
+def test_tokens_are_fed_holding_the_gil_and_xgrammar_keeps_its_own_setting(
+    schema: CompiledConstraint, tokenizer: Tokenizer
+) -> None:
+    """Feeding a token is a call of a microsecond or two: releasing the GIL around it hands the GIL to the forward and
+    back once per token (TokenCalls has the measurement). Fails if :meth:`TokenCalls.holding_gil` stops clearing
+    ``release_gil`` on its own wrappers (the first asserts), or clears it on xgrammar's function objects instead,
+    which every other xgrammar call in the process shares (the last one)."""
+    methods = xgr.base._core.GrammarMatcher.__tvm_ffi_type_info__.methods
+    before = {m.name: m.func.release_gil for m in methods}
+    calls = TokenCalls.holding_gil()
+    assert calls.accept_token.release_gil is False
+    assert calls.is_terminated.release_gil is False
+    matcher = VersionedMatcher(schema, calls=calls)
+    tokens = ids(tokenizer, VALID_JSON)
+    assert matcher.commit(0, tokens) == CommitResult(len(tokens), False, None, len(tokens))
+    assert {m.name: m.func.release_gil for m in methods} == before
 
 
 def test_commit_from_wrong_ordinal_is_refused(schema: CompiledConstraint, tokenizer: Tokenizer) -> None:
