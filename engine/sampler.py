@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.native import token_bitmask_kernel
 from engine.sampling_params import SamplingParams
 
 # torch.Generator.manual_seed accepts any 64-bit pattern; masking lets clients send any integer seed.
@@ -153,10 +154,12 @@ class Sampler:
     A grammar bitmask, when given, covers every row (rows without grammar pass all bits set, i.e. -1).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, *, native: bool = True) -> None:
+        """``native``: on CPU, apply grammar bitmasks with the C kernel when it can be built (else, or False: torch)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._byte_caps = _byte_caps(self.device)  # [256, 8]
+        self._bitmask_kernel = token_bitmask_kernel() if native and self.device.type == "cpu" else None
 
     def sample(
         self, logits: torch.Tensor, states: Sequence[SamplingState], bitmask: torch.Tensor | None = None
@@ -202,7 +205,7 @@ class Sampler:
         x = raw[:, : self.vocab_size].float().clone()  # [B, V]; raw may be a view of the runner's logits
         self._apply_bias(x, states)
         if bitmask is not None:
-            torch.minimum(x, self._caps(bitmask), out=x)  # disallowed tokens -> -inf, the others unchanged
+            self._apply_bitmask(x, bitmask)
         self._apply_min_new(x, states)
         self._apply_penalties(x, states)
         return x
@@ -216,6 +219,19 @@ class Sampler:
         ids = torch.cat([ids for ids, _ in biases])  # [N]
         values = torch.cat([values for _, values in biases])  # [N]
         x.index_put_((row_idx, ids), values, accumulate=True)
+
+    def _apply_bitmask(self, x: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Disallowed tokens of ``x`` [B, V] become -inf, the others stay as they are (for any logits but NaN).
+
+        On CPU one native call does it (without the GIL, touching only the banned tokens); elsewhere the words become
+        a [B, V] table of caps, the smaller of which is kept. With a grammar's commit running beside the step, each of
+        the torch path's ops was a GIL handoff too: 0.25-0.4 ms per step of 32 rows in serving runs against about
+        0.1 ms alone.
+        """
+        if self._bitmask_kernel is not None and bitmask.device.type == "cpu":
+            self._bitmask_kernel(x, bitmask.to(torch.int32).contiguous(), self.vocab_size)
+        else:
+            torch.minimum(x, self._caps(bitmask), out=x)
 
     def _caps(self, bitmask: torch.Tensor) -> torch.Tensor:
         """xgrammar layout -> per-token cap [B, V]: +inf where allowed (bit j of word i set <=> token 32i + j), -inf

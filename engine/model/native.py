@@ -8,8 +8,8 @@ The compiled library lives in ``$ORDINAL_CACHE_DIR/kernels/`` (else ``~/.cache/o
 name that hashes the source, the compiler's identity and the flags, so a changed kernel or toolchain never
 loads a stale build. Set ``ORDINAL_NATIVE=0`` to force the pure torch paths (tests compare both).
 
-Module state: the only cache is :func:`_load_paged_decode`, a ``functools.cache``'d loader, so a process
-compiles (or finds) and loads the library at most once and warns at most once when it cannot.
+Module state: the only caches are :func:`_load_paged_decode` and :func:`_load_token_bitmask`, ``functools.cache``'d
+loaders, so a process compiles (or finds) and loads each library at most once and warns at most once when it cannot.
 """
 
 from __future__ import annotations
@@ -23,17 +23,21 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from engine.model.embedded import default_cache_dir
 
 log = logging.getLogger(__name__)
+K = TypeVar("K")  # a loaded kernel
 
 NATIVE_ENV = "ORDINAL_NATIVE"
 PAGED_DECODE_SOURCE = Path(__file__).with_name("paged_decode.c")
+TOKEN_BITMASK_SOURCE = Path(__file__).with_name("token_bitmask.c")
 # No -march=native (a cache directory may be shared between machines; the source picks ISA variants at run
 # time instead) and no -ffast-math (it would drop NaN/inf semantics everywhere; the `omp simd` pragmas license
 # reassociation exactly where the kernel needs it).
@@ -227,9 +231,83 @@ def _load_paged_decode() -> PagedDecodeKernel | None:
 
 def load_paged_decode(toolchain: Toolchain, cache_dir: Path) -> PagedDecodeKernel | None:
     """Build (or find) the paged decode library in ``cache_dir`` and load it; None, with a warning, on failure."""
+    return _build_and_load(
+        "paged decode", "paged_decode", PAGED_DECODE_SOURCE, PagedDecodeKernel.load, toolchain, cache_dir
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class TokenBitmaskKernel:
+    """The loaded grammar bitmask kernel (``ordinal_apply_token_bitmask`` in ``token_bitmask.c``).
+
+    One call per step sets every banned token of every row to -inf, in place, without holding the GIL.
+    """
+
+    path: Path
+    library: ctypes.CDLL
+
+    @classmethod
+    def load(cls, path: Path) -> TokenBitmaskKernel:
+        """Load a compiled ``token_bitmask`` library and declare the entry point's C signature."""
+        library = ctypes.CDLL(str(path))
+        fn = library.ordinal_apply_token_bitmask
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4]
+        return cls(path, library)
+
+    def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
+        """logits: [B, >= V] CPU float32; bitmask: [B, >= ceil(V / 32)] CPU int32 in xgrammar's layout (bit j of word
+        i set <=> token 32 i + j allowed), both with unit stride along a row. Tokens below ``vocab_size`` whose bit is
+        clear become -inf in ``logits``; nothing else changes."""
+        _check_bitmask_args(logits, bitmask, vocab_size)
+        self.library.ordinal_apply_token_bitmask(
+            logits.data_ptr(),
+            bitmask.data_ptr(),
+            logits.shape[0],
+            vocab_size,
+            logits.stride(0),
+            bitmask.stride(0),
+        )
+
+
+def _check_bitmask_args(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
+    # A wrong layout here would be a silent out-of-bounds write in C.
+    words = -(-vocab_size // 32)
+    for name, t, dtype, width in (
+        ("logits", logits, torch.float32, vocab_size),
+        ("bitmask", bitmask, torch.int32, words),
+    ):
+        if t.dtype != dtype or t.device.type != "cpu" or t.dim() != 2 or t.stride(1) != 1 or t.shape[1] < width:
+            raise ValueError(
+                f"{name} must be a CPU {dtype} [B, >= {width}] tensor with unit stride along a row, "
+                f"got {t.dtype} on {t.device}, shape {tuple(t.shape)}, strides {t.stride()}"
+            )
+    if bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {logits.shape[0]} rows of logits")
+
+
+def token_bitmask_kernel() -> TokenBitmaskKernel | None:
+    """The native bitmask kernel, or None when ``ORDINAL_NATIVE=0`` or it cannot be built (warned once per process)."""
+    return _load_token_bitmask() if native_enabled() else None
+
+
+@functools.cache
+def _load_token_bitmask() -> TokenBitmaskKernel | None:
+    toolchain = Toolchain.find()
+    if toolchain is None:
+        log.warning("no C compiler (cc/gcc) found: grammar bitmasks use the slower torch path")
+        return None
+    return _build_and_load(
+        "token bitmask", "token_bitmask", TOKEN_BITMASK_SOURCE, TokenBitmaskKernel.load, toolchain, kernel_cache_dir()
+    )
+
+
+def _build_and_load(
+    what: str, stem: str, source: Path, load: Callable[[Path], K], toolchain: Toolchain, cache_dir: Path
+) -> K | None:
+    """Build (or find) the library ``stem`` of ``source`` in ``cache_dir`` and ``load`` it; None, warned, on failure."""
     try:
-        path = build_library("paged_decode", PAGED_DECODE_SOURCE, toolchain, cache_dir)
-        return PagedDecodeKernel.load(path)
+        return load(build_library(stem, source, toolchain, cache_dir))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("native paged decode kernel unavailable, using the torch path: %s", exc)
+        log.warning("native %s kernel unavailable, using the torch path: %s", what, exc)
         return None
