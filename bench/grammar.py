@@ -12,8 +12,9 @@ and the median round, and the paired ratio: the median over rounds of a mode's r
 of the same round, the steadiest of the three on a shared machine.
 
 Per step with constrained rows it reports how long the executor waited for its masks after the forward (the
-cost delayed sampling does not hide), how long the batched ``fill_masks`` call took from its start (fence wait
-and mask computation, overlapped with the forward), and how many bytes a FillMasks reply of the grammar service
+cost delayed sampling does not hide), how long after the opening of the step's mask fence (before the forward)
+all its rows were written (by the commit that let them through, overlapped with the forward, or after it), and how
+many bytes a FillMasks reply of the grammar service
 would carry for that step (packed with ``services.grammar.convert.encode_masks``: distinct rows once, all-allowed
 rows as a reference).
 
@@ -54,7 +55,7 @@ from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import words_per_row
 from engine.grammar.constraint import Constraint, ConstraintKind
 from engine.grammar.masks import PendingMasks, StepMasks
-from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals
+from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, MaskEntry, MaskRefusals
 from engine.model.embedded import ensure_embedded_model
 from engine.request import RequestOutput
 from engine.runner import ModelRunner
@@ -109,6 +110,11 @@ class GrammarCosts:
     replies: list[tuple[torch.Tensor, list[MaskAnswer]]] = field(default_factory=list)  # (step bitmask, answers)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def record_fill(self, seconds: float, out: torch.Tensor, answers: list[MaskAnswer]) -> None:
+        with self.lock:
+            self.fill_calls_s.append(seconds)
+            self.replies.append((out, answers))
+
     def reply_bytes(self) -> list[int]:
         """Bytes of the FillMasks reply the grammar service would send for each recorded step (sized after the run,
         so that packing does not slow the run down)."""
@@ -116,7 +122,7 @@ class GrammarCosts:
 
 
 class TimedGrammar:
-    """A grammar backend that forwards to a :class:`LocalGrammar` and times each batched ``fill_masks`` call."""
+    """A grammar backend that forwards to a :class:`LocalGrammar` and times each step's masks (see ``_TimedFence``)."""
 
     def __init__(self, inner: LocalGrammar, costs: GrammarCosts) -> None:
         self.inner = inner
@@ -133,10 +139,13 @@ class TimedGrammar:
     ) -> MaskRefusals:
         started = time.perf_counter()
         refusals = self.inner.fill_masks_into(entries, deadline_s, out, starts)
-        with self.costs.lock:
-            self.costs.fill_calls_s.append(time.perf_counter() - started)
-            self.costs.replies.append((out, mask_answers(entries, starts, refusals)))
+        self.costs.record_fill(time.perf_counter() - started, out, mask_answers(entries, starts, refusals))
         return refusals
+
+    def start_masks(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> _TimedFence:
+        return _TimedFence(self.inner.start_masks(entries, deadline_s, out, starts), entries, out, starts, self.costs)
 
     def release(self, request_ids: Sequence[str]) -> None:
         self.inner.release(request_ids)
@@ -146,12 +155,39 @@ class TimedGrammar:
         return self.inner.num_open
 
 
+class _TimedFence:
+    """A step's open mask fence; once answered it records when its rows were all written (from its opening)."""
+
+    def __init__(
+        self,
+        inner: FencedMasks,
+        entries: Sequence[MaskEntry],
+        out: torch.Tensor,
+        starts: Sequence[int],
+        costs: GrammarCosts,
+    ) -> None:
+        self._inner, self._entries, self._out, self._starts, self._costs = inner, entries, out, starts, costs
+
+    def result(self) -> MaskRefusals:
+        refusals = self._inner.result()
+        written = self._inner.written_after_s
+        if written is not None:
+            self._costs.record_fill(written, self._out, mask_answers(self._entries, self._starts, refusals))
+        return refusals
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 class _TimedPendingMasks(PendingMasks):
     """A step's pending masks whose ``result`` (called right after the forward) records how long it blocked."""
 
     def __init__(self, inner: PendingMasks, costs: GrammarCosts) -> None:  # delegates; the base state is unused
         self._inner = inner
         self._costs = costs
+
+    def close(self) -> None:
+        self._inner.close()
 
     def result(self, device: torch.device) -> StepMasks:
         started = time.perf_counter()
@@ -511,8 +547,9 @@ def print_table(modes: Sequence[Mode], streams: int) -> None:
         f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; tok/s: output tokens while all "
         f"{streams} streams are busy (first to last submit); ratio: vs unconstrained (paired: "
         "median of per-round ratios). CPU: this process, all threads (grammar work competes with a CPU forward for "
-        "the same cores). wait: the executor blocked on masks after the forward; fill: one batched fill_masks "
-        "call (fence wait + masks, overlapped with the forward). Constrained rows per mask step: median "
+        "the same cores). wait: the executor blocked on masks after the forward; fill: from the opening of a step's "
+        "mask fence (before its forward) until all its rows were written, by the commit that let them through or "
+        "after the forward. Constrained rows per mask step: median "
         f"{statistics.median(rows):.0f}, max {max(rows)}; a mask row is {modes[0].words} int32 words "
         f"({modes[0].words * 4} B) for this vocabulary."
     )

@@ -168,8 +168,13 @@ class ModelRunner:
         self._check_ordinals(sampling)
         # C4, delayed sampling: the fenced masks are fetched while the forward runs; only sampling waits.
         pending = self._start_masks([e for e, _ in sampling])
-        batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
-        logits = self._model(batch, self._kv)  # [num sampling entries, V]
+        try:
+            batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
+            logits = self._model(batch, self._kv)  # [num sampling entries, V]
+        except BaseException:
+            if pending is not None:
+                pending.close()  # an open fence would be filled by every later commit, into a buffer nobody reads
+            raise
         masks = pending.result(self._device) if pending is not None else StepMasks(None, {})
         samples: tuple[SampledToken, ...] = ()
         if sampling:

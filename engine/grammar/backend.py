@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from engine.grammar.compiler import ConstraintCompiler
 from engine.grammar.constraint import Constraint
-from engine.grammar.registry import CommitEntry, CommitOutcome, GrammarRegistry, MaskEntry, MaskRefusals
+from engine.grammar.registry import (
+    CommitEntry,
+    CommitOutcome,
+    FencedMasks,
+    GrammarRegistry,
+    MaskEntry,
+    MaskRefusals,
+)
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 
@@ -39,6 +46,27 @@ class GrammarBackend(Protocol):
 
     @property
     def num_open(self) -> int: ...
+
+
+class MaskWait(Protocol):
+    """A mask batch asked for and not answered yet."""
+
+    def result(self) -> MaskRefusals:
+        """Block until answered (see :meth:`GrammarBackend.fill_masks_into`); raises only if the whole call failed."""
+        ...
+
+    def close(self) -> None:
+        """The answer is not wanted any more (the step failed): stop writing into the buffer, free what it holds."""
+        ...
+
+
+@runtime_checkable
+class FencingBackend(Protocol):
+    """A backend that can open a step's mask fence now and answer it later, without a thread waiting at it."""
+
+    def start_masks(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskWait: ...
 
 
 class LocalGrammar:
@@ -70,6 +98,12 @@ class LocalGrammar:
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
     ) -> MaskRefusals:
         return self.registry.fill_masks_into(entries, deadline_s, out, starts)
+
+    def start_masks(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> FencedMasks:
+        """Open the fence now; the commits that arrive meanwhile fill it (:meth:`GrammarRegistry.start_masks`)."""
+        return self.registry.start_masks(entries, deadline_s, out, starts)
 
     def release(self, request_ids: Sequence[str]) -> None:
         self.registry.release(request_ids)

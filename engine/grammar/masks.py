@@ -1,7 +1,9 @@
 """Executor side of constrained sampling: fetch one step's fenced masks while its forward runs (C3, C4).
 
-The fetch starts before the forward, on its own thread, so waiting at the grammar fence for the scheduler's commit
-of the previous step overlaps the forward; only sampling waits for the masks ("delayed sampling").
+The fetch starts before the forward, so waiting at the grammar fence for the scheduler's commit of the previous
+step overlaps the forward; only sampling waits for the masks ("delayed sampling"). An in-process grammar opens the
+fence right away and the commit fills it (:class:`~engine.grammar.backend.FencingBackend`); any other backend's
+blocking call runs on a thread of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.grammar.backend import GrammarBackend
+from engine.grammar.backend import FencingBackend, GrammarBackend, MaskWait
 from engine.grammar.registry import MaskEntry, MaskRefusals
 from engine.step import StepEntry
 
@@ -27,17 +29,33 @@ class StepMasks:
     errors: dict[int, str]  # sampling row -> why it has no mask (the request ends; the others go on)
 
 
-class PendingMasks:
-    """A step's masks being written into its bitmask by the fetch thread; :meth:`result` waits for them."""
+class ThreadedWait:
+    """A backend's blocking mask call running on the fetcher's thread."""
 
-    def __init__(self, future: Future[MaskRefusals], bitmask: torch.Tensor, rows: list[int]) -> None:
+    def __init__(self, future: Future[MaskRefusals]) -> None:
         self._future = future
+
+    def result(self) -> MaskRefusals:
+        return self._future.result()
+
+    def close(self) -> None:
+        """Nothing to stop: the call ends at its deadline at the latest, and its answer is dropped."""
+
+
+class PendingMasks:
+    """A step's masks being written into its bitmask; :meth:`result` waits for them, :meth:`close` gives them up."""
+
+    def __init__(self, wait: MaskWait, bitmask: torch.Tensor, rows: list[int]) -> None:
+        self._wait = wait
         self._bitmask = bitmask
         self._rows = rows
 
+    def close(self) -> None:
+        self._wait.close()
+
     def result(self, device: torch.device) -> StepMasks:
         try:
-            refusals = self._future.result()
+            refusals = self._wait.result()
         except Exception as exc:  # the grammar service is unreachable: these rows cannot be sampled correctly
             return StepMasks(self._bitmask.to(device), {row: f"grammar masks unavailable: {exc}" for row in self._rows})
         errors = {
@@ -47,10 +65,11 @@ class PendingMasks:
 
 
 class MaskFetcher:
-    """Starts a step's batched mask request (one call per step) on a background thread."""
+    """Starts a step's batched mask request (one call per step): a fence opened now, or a call on a thread."""
 
     def __init__(self, backend: GrammarBackend, vocab_size: int, wait_s: float) -> None:
         self._backend = backend
+        self._fencing = backend if isinstance(backend, FencingBackend) else None
         self._words = -(-vocab_size // 32)
         self._wait_s = wait_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-masks")
@@ -66,8 +85,12 @@ class MaskFetcher:
         # A normal tensor even when the runner steps under inference mode: the fetch thread writes it in place.
         with torch.inference_mode(False):
             bitmask = torch.full((len(sampling), self._words), ALL_ALLOWED, dtype=torch.int32)  # [B, W]
-        future = self._pool.submit(self._backend.fill_masks_into, entries, self._wait_s, bitmask, rows)
-        return PendingMasks(future, bitmask, rows)
+        wait: MaskWait
+        if self._fencing is not None:
+            wait = self._fencing.start_masks(entries, self._wait_s, bitmask, rows)
+        else:
+            wait = ThreadedWait(self._pool.submit(self._backend.fill_masks_into, entries, self._wait_s, bitmask, rows))
+        return PendingMasks(wait, bitmask, rows)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -300,12 +300,19 @@ class GrammarRegistry:
         entry still behind at the deadline: BEHIND_DEADLINE); every other entry's rows were written. The caller
         owns ``out`` (the executor passes its step bitmask, so masks land where the sampler reads them).
         """
-        with MaskFence(self, entries, timeout_s, out, starts) as fence:
-            while True:
-                seen = self.generation  # read before polling, so a commit during the poll is never missed
-                if fence.poll() or fence.remaining_s() <= 0:
-                    return fence.refusals()
-                self.wait_for_change(seen, fence.remaining_s())
+        return self.start_masks(entries, timeout_s, out, starts).result()
+
+    def start_masks(
+        self, entries: Sequence[MaskEntry], timeout_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> FencedMasks:
+        """:meth:`fill_masks_into` in two halves: the fence opens now, :meth:`FencedMasks.result` answers it later.
+
+        Nothing is computed here. While the fence is open, each commit that lets one of its entries through fills
+        that entry's rows itself (:meth:`_complete_fences`). An in-process executor opens the fence before its
+        forward and, with delayed sampling, finds the rows written when the forward is done: no thread of its own
+        waits at the fence. The deadline counts from now.
+        """
+        return FencedMasks(self, MaskFence(self, entries, timeout_s, out, starts))
 
     def wait_for_change(self, seen_generation: int, timeout_s: float) -> bool:
         """Block until a commit or release happened after ``seen_generation`` was read, or the timeout."""
@@ -399,6 +406,39 @@ def _answered(entry: MaskEntry, compute: Callable[[], object]) -> tuple[Refusal,
         return Refusal.INTERNAL, f"{entry.request_id}: {type(error).__name__}: {error}"
 
 
+class FencedMasks:
+    """A mask batch whose fence is open (:meth:`GrammarRegistry.start_masks`); answered once, by :meth:`result`.
+
+    :meth:`close` closes it unanswered (the step that wanted the masks failed): a fence left open would be polled by
+    every later commit and would keep writing into a buffer nobody reads.
+    """
+
+    def __init__(self, registry: GrammarRegistry, fence: MaskFence) -> None:
+        self._registry = registry
+        self._fence = fence
+        fence.open()
+
+    def result(self) -> MaskRefusals:
+        """Wait until no entry is behind or the deadline passed; the refused entries (the others were written)."""
+        fence, registry = self._fence, self._registry
+        try:
+            while True:
+                seen = registry.generation  # read before polling, so a commit during the poll is never missed
+                if fence.poll() or fence.remaining_s() <= 0:
+                    return fence.refusals()
+                registry.wait_for_change(seen, fence.remaining_s())
+        finally:
+            fence.close()
+
+    def close(self) -> None:
+        self._fence.close()
+
+    @property
+    def written_after_s(self) -> float | None:
+        """Seconds from the fence's opening until every entry was answered (None while one is still waiting)."""
+        return self._fence.answered_after_s
+
+
 class MaskFence:
     """One fenced mask batch in progress (C3): polled until no entry is behind or the deadline passes.
 
@@ -433,16 +473,31 @@ class MaskFence:
         # closed nothing writes into ``out`` any more: its owner may be sampling from it.
         self._lock = threading.Lock()
         self._closed = False
+        self._created = time.monotonic()
+        self._answered_after_s: float | None = None if self._pending else 0.0
 
     def __enter__(self) -> MaskFence:
-        self._registry._add_fence(self)
+        self.open()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Register with the registry: from now on its commits fill this fence's entries (:meth:`complete`)."""
+        self._registry._add_fence(self)
+
+    def close(self) -> None:
+        """Nothing writes into ``out`` any more, and the registry forgets the fence. Closing twice is harmless."""
         with self._lock:
             self._closed = True
             self._set_counted(0)
         self._registry._remove_fence(self)
+
+    @property
+    def answered_after_s(self) -> float | None:
+        """Seconds from the fence's creation until no entry was pending any more; None while one is."""
+        return self._answered_after_s
 
     def poll(self) -> bool:
         """Answer every pending entry that is not behind any more; True when none is left behind.
@@ -482,6 +537,8 @@ class MaskFence:
             if answer is not None:
                 self._refusals[i] = answer
         self._pending = [i for i in self._pending if i not in answered]
+        if not self._pending and self._answered_after_s is None:
+            self._answered_after_s = time.monotonic() - self._created
 
     def ready(self) -> bool:
         """Cheaply: would :meth:`poll` have anything to compute now? (A driver may skip a costly poll hop.)"""

@@ -26,7 +26,7 @@ from engine.engine import Engine
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info, words_per_row
 from engine.grammar.constraint import Constraint, ConstraintKind
-from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals
+from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, MaskEntry, MaskRefusals
 from engine.request import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -71,6 +71,17 @@ class DelegatingGrammar:
     @property
     def num_open(self) -> int:
         return self.inner.num_open
+
+
+class FencingGrammar(DelegatingGrammar):
+    """Also forwards ``start_masks``: the executor opens each step's fence in the registry before its forward and the
+    commits fill it (the path of an engine on a plain LocalGrammar). Without it the executor fetches the masks with
+    ``fill_masks_into`` on its fetch thread."""
+
+    def start_masks(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> FencedMasks:
+        return self.inner.start_masks(entries, deadline_s, out, starts)
 
 
 class AllowAllFor(DelegatingGrammar):
@@ -190,7 +201,7 @@ def local_grammar(embedded_model_dir: Path) -> Iterator[LocalGrammar]:
 
 @pytest.fixture(scope="module")
 def engine(base_config: EngineConfig, local_grammar: LocalGrammar) -> Iterator[Engine]:
-    with Engine(base_config, grammar=DelegatingGrammar(local_grammar)) as e:
+    with Engine(base_config, grammar=FencingGrammar(local_grammar)) as e:
         yield e
 
 
@@ -205,17 +216,44 @@ def reference(engine: Engine) -> dict[str, tuple[str, str | None, tuple[int, ...
 
 
 @pytest.mark.parametrize(
-    "change",
-    [{"grammar_overlap": False}, {"overlap": False}, {"overlap": False, "grammar_overlap": False}],
-    ids=["early-commit", "overlap-off", "both-off"],
+    ("change", "backend"),
+    [
+        ({"grammar_overlap": False}, FencingGrammar),
+        ({"overlap": False}, FencingGrammar),
+        ({"overlap": False, "grammar_overlap": False}, FencingGrammar),
+        ({}, DelegatingGrammar),
+        ({"grammar_overlap": False}, DelegatingGrammar),
+    ],
+    ids=["early-commit", "overlap-off", "both-off", "fetch-thread", "fetch-thread-early-commit"],
 )
 def test_outputs_do_not_depend_on_overlap(
-    base_config: EngineConfig, local_grammar: LocalGrammar, reference: dict, change: dict
+    base_config: EngineConfig, local_grammar: LocalGrammar, reference: dict, change: dict, backend: type
 ) -> None:
     """C4: overlapped constrained decoding (delayed sampling behind the fence), early commit and the plain loop
-    give token-for-token the same outputs and finishes, for greedy and seeded requests, with or without grammar."""
-    with Engine(replace(base_config, **change), grammar=DelegatingGrammar(local_grammar)) as other:
+    give token-for-token the same outputs and finishes, for greedy and seeded requests, with or without grammar,
+    whether the executor's fence is filled by the commits or waited on by its fetch thread."""
+    with Engine(replace(base_config, **change), grammar=backend(local_grammar)) as other:
         assert _summary(_run(other, _mixed_batch(other.info.vocab_size))) == reference
+
+
+def test_a_failed_forward_closes_its_mask_fence(base_config: EngineConfig, local_grammar: LocalGrammar) -> None:
+    """The executor opens a step's mask fence before the forward. When the forward raises, the runner closes the
+    fence: the step's constrained requests end with an executor abort and the registry holds no fence afterwards.
+    (Without ``pending.close()`` in ``ModelRunner.execute`` the failed step's fence stays registered, and every
+    later commit polls it.)"""
+    with Engine(base_config, grammar=FencingGrammar(local_grammar)) as failing:
+        assert isinstance(failing.runner, ModelRunner)
+        model = failing.runner._model
+
+        def broken(*args: object) -> object:
+            raise RuntimeError("injected forward failure")
+
+        failing.runner._model = broken  # type: ignore[assignment]
+        jobs = [job for job in _mixed_batch(failing.info.vocab_size) if job.constraint is not None][:4]
+        streams = _run(failing, jobs)
+        failing.runner._model = model
+    assert all(s.final.finish is not None and s.final.finish.reason is FinishReason.ABORT for s in streams.values())
+    assert not local_grammar.registry._fences and local_grammar.registry.num_waiting == 0
 
 
 class FreshMatcher:

@@ -328,6 +328,34 @@ def test_a_commit_fills_the_rows_of_a_fence_waiting_for_it(registry: GrammarRegi
     assert registry.num_waiting == 0
 
 
+def test_a_fence_opened_before_the_commit_is_answered_by_it_and_a_closed_one_is_forgotten(
+    registry: GrammarRegistry, tokenizer: Tokenizer
+) -> None:
+    """C3/C4, the in-process executor's path: ``start_masks`` opens the fence before the forward and computes nothing;
+    the commit fills the row; ``result`` answers without waiting and closes the fence. A fence given up with
+    ``close`` (its step failed) is forgotten by the registry and never written again. (Without ``fence.open()`` in
+    ``FencedMasks`` the commit does not fill the row; without ``fence.close()`` in ``result`` or ``close`` the
+    registry keeps the fence, and later commits keep polling it.)"""
+    tokens = ids(tokenizer, VALID_JSON)
+    schema = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
+    reference = VersionedMatcher(registry.compiler.compile(schema, WAIT_S))
+    reference.commit(0, tokens[:1])
+    expected = mask_at(reference, 1)  # [W]
+    for rid in ("a", "b"):
+        registry.open(rid, schema, WAIT_S)
+    out = torch.zeros((2, registry.compiler.words_per_row), dtype=torch.int32)  # [2, W]
+    fenced = registry.start_masks([MaskEntry("a", 1)], WAIT_S, out, [0])
+    given_up = registry.start_masks([MaskEntry("b", 1)], WAIT_S, out, [1])
+    assert not out.any() and fenced.written_after_s is None
+    given_up.close()
+    registry.commit([CommitEntry("a", 0, tuple(tokens[:1])), CommitEntry("b", 0, tuple(tokens[:1]))])
+    assert torch.equal(out[0], expected), "the commit did not fill the open fence's row"
+    assert not out[1].any(), "a commit wrote into a fence that was closed unanswered"
+    assert fenced.written_after_s is not None
+    assert fenced.result() == {}
+    assert registry.num_waiting == 0 and not registry._fences
+
+
 def test_fence_deadline_expires_cleanly_and_other_entries_are_answered(
     registry: GrammarRegistry, tokenizer: Tokenizer
 ) -> None:
