@@ -2,7 +2,8 @@
  *
  * Built by engine/model/native.py like paged_decode.c. The sampler calls it once per step for all rows: the torch
  * path expands the words into a [B, V] table of caps with several ops, each a dispatch (and a GIL handoff while
- * the grammar's commit runs beside it); this is one call that releases the GIL and touches only the banned tokens.
+ * the grammar's commit runs beside it); this is one call that releases the GIL and skips the words that allow
+ * everything.
  *
  * Layouts:
  *   logits [rows, >= vocab]           float32, row r starts at logits + r * logits_stride
@@ -21,15 +22,20 @@ void ordinal_apply_token_bitmask(float *logits, const int32_t *words, int64_t ro
         float *row = logits + r * logits_stride;
         const uint32_t *row_words = (const uint32_t *)(words + r * words_stride);
         for (int64_t i = 0; i < used_words; ++i) {
-            uint32_t banned = ~row_words[i];
-            const int64_t base = i * 32;
-            while (banned != 0) {
-                const int64_t token = base + __builtin_ctz(banned);
-                if (token >= vocab) {
-                    break; /* bits are visited in increasing order: the rest are past the vocabulary too */
+            const uint32_t allowed = row_words[i];
+            if (allowed == 0xFFFFFFFFu) {
+                continue;
+            }
+            float *out = row + i * 32;
+            const int64_t n = vocab - i * 32 < 32 ? vocab - i * 32 : 32; /* the last word may run past the vocabulary */
+            if (allowed == 0) { /* the common word of a grammar's mask: nothing allowed */
+                for (int64_t j = 0; j < n; ++j) {
+                    out[j] = -INFINITY;
                 }
-                row[token] = -INFINITY;
-                banned &= banned - 1; /* clear the lowest set bit */
+                continue;
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                out[j] = ((allowed >> j) & 1u) ? out[j] : -INFINITY;
             }
         }
     }
