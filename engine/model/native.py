@@ -222,11 +222,16 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
 
 @functools.cache
 def _load_paged_decode() -> PagedDecodeKernel | None:
+    return _load_with_found_toolchain(load_paged_decode, "paged decode attention uses the slower torch path")
+
+
+def _load_with_found_toolchain(load: Callable[[Toolchain, Path], K | None], without: str) -> K | None:
+    """``load`` with the C compiler into the kernel cache, or None after warning what happens ``without`` one."""
     toolchain = Toolchain.find()
     if toolchain is None:
-        log.warning("no C compiler (cc/gcc) found: paged decode attention uses the slower torch path")
+        log.warning("no C compiler (cc/gcc) found: %s", without)
         return None
-    return load_paged_decode(toolchain, kernel_cache_dir())
+    return load(toolchain, kernel_cache_dir())
 
 
 def load_paged_decode(toolchain: Toolchain, cache_dir: Path) -> PagedDecodeKernel | None:
@@ -293,12 +298,13 @@ def token_bitmask_kernel() -> TokenBitmaskKernel | None:
 
 @functools.cache
 def _load_token_bitmask() -> TokenBitmaskKernel | None:
-    toolchain = Toolchain.find()
-    if toolchain is None:
-        log.warning("no C compiler (cc/gcc) found: grammar bitmasks use the slower torch path")
-        return None
+    return _load_with_found_toolchain(load_token_bitmask, "grammar bitmasks use the slower torch path")
+
+
+def load_token_bitmask(toolchain: Toolchain, cache_dir: Path) -> TokenBitmaskKernel | None:
+    """Build (or find) the bitmask library in ``cache_dir`` and load it; None, with a warning, on failure."""
     return _build_and_load(
-        "token bitmask", "token_bitmask", TOKEN_BITMASK_SOURCE, TokenBitmaskKernel.load, toolchain, kernel_cache_dir()
+        "token bitmask", "token_bitmask", TOKEN_BITMASK_SOURCE, TokenBitmaskKernel.load, toolchain, cache_dir
     )
 
 
