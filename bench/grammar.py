@@ -107,18 +107,34 @@ class GrammarCosts:
 
     mask_waits_s: list[float] = field(default_factory=list)
     fill_calls_s: list[float] = field(default_factory=list)
-    replies: list[tuple[torch.Tensor, list[MaskAnswer]]] = field(default_factory=list)  # (step bitmask, answers)
+    # Per step: (step bitmask, mask entries, their first rows, refusals); turned into replies only after the run.
+    steps: list[tuple[torch.Tensor, Sequence[MaskEntry], Sequence[int], MaskRefusals]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def record_fill(self, seconds: float, out: torch.Tensor, answers: list[MaskAnswer]) -> None:
+    def record_fill(
+        self,
+        seconds: float,
+        out: torch.Tensor,
+        entries: Sequence[MaskEntry],
+        starts: Sequence[int],
+        refusals: MaskRefusals,
+    ) -> None:
+        """Keep what a step's masks were, as they are: the executor may be waiting on this call (after the forward)."""
         with self.lock:
             self.fill_calls_s.append(seconds)
-            self.replies.append((out, answers))
+            self.steps.append((out, entries, starts, refusals))
+
+    def replies(self) -> list[list[MaskAnswer]]:
+        """Each recorded step's answers, as the grammar service would reply them."""
+        return [mask_answers(entries, starts, refusals) for _, entries, starts, refusals in self.steps]
 
     def reply_bytes(self) -> list[int]:
         """Bytes of the FillMasks reply the grammar service would send for each recorded step (sized after the run,
         so that packing does not slow the run down)."""
-        return [encode_masks(out, answers).ByteSize() for out, answers in self.replies]
+        return [
+            encode_masks(out, answers).ByteSize()
+            for (out, _, _, _), answers in zip(self.steps, self.replies(), strict=True)
+        ]
 
 
 class TimedGrammar:
@@ -139,7 +155,7 @@ class TimedGrammar:
     ) -> MaskRefusals:
         started = time.perf_counter()
         refusals = self.inner.fill_masks_into(entries, deadline_s, out, starts)
-        self.costs.record_fill(time.perf_counter() - started, out, mask_answers(entries, starts, refusals))
+        self.costs.record_fill(time.perf_counter() - started, out, entries, starts, refusals)
         return refusals
 
     def start_masks(
@@ -172,7 +188,7 @@ class _TimedFence:
         refusals = self._inner.result()
         written = self._inner.written_after_s
         if written is not None:
-            self._costs.record_fill(written, self._out, mask_answers(self._entries, self._starts, refusals))
+            self._costs.record_fill(written, self._out, self._entries, self._starts, refusals)
         return refusals
 
     def close(self) -> None:
@@ -366,7 +382,7 @@ class Mode:
             raise RuntimeError(f"{self.tally.name}: the engine did not drain after the warmup")
         self.costs.mask_waits_s.clear()
         self.costs.fill_calls_s.clear()
-        self.costs.replies.clear()
+        self.costs.steps.clear()
 
     def run_round(self, jobs: list[Job], streams: int) -> None:
         cpu_started = time.process_time()
@@ -542,7 +558,7 @@ def print_table(modes: Sequence[Mode], streams: int) -> None:
             sizes = c.reply_bytes()
             reply = f"{statistics.median(sizes):.0f}/{max(sizes)}"
         print(f"{rate_cells(mode.tally, base)}{waits:>17}{fills:>17}{reply:>22}")
-    rows = [len(answers) for _, answers in modes[1].costs.replies]
+    rows = [len(answers) for answers in modes[1].costs.replies()]
     print(
         f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; tok/s: output tokens while all "
         f"{streams} streams are busy (first to last submit); ratio: vs unconstrained (paired: "
