@@ -158,9 +158,10 @@ class TokenCalls:
     xgrammar's methods go through tvm_ffi, which releases the GIL around every call. For a call of a microsecond or
     two that is a loss whenever another thread wants the GIL, as the forward does between its ops: each release
     hands the GIL over, and each return waits for it to come back. Feeding a step's tokens cost two such handoffs per
-    row, and the forward running beside it paid for them. In bench/grammar.py serving runs (3 paired runs each, 32
-    streams) the constrained forward took 12% longer than the unconstrained one with the release, 2.6% without.
-    A whole batch of masks is a long call: it keeps releasing the GIL, so that the forward can run meanwhile.
+    row, and the forward running beside it paid for them. In paired serving runs (the bench/grammar.py workload, 32
+    streams) the constrained forward's extra time over the unconstrained one was 8-15% with the release and 7-10%
+    without (3 runs of 4). A whole batch of masks is a long call: it keeps releasing the GIL, so that the forward can
+    run meanwhile (holding the GIL there too measured worse).
     """
 
     accept_token: tvm_ffi.Function  # (handle, token, debug_print) -> accepted
