@@ -297,7 +297,7 @@ class VersionedMatcher:
             and self._state is not MatcherState.RELEASED
             and self._state is not MatcherState.REJECTED
         ):
-            return  # the common case: at the ordinal, still accepting commits
+            return  # at the ordinal of a terminated matcher: answered with nothing fed (commit checks ACTIVE inline)
         if self._state is MatcherState.RELEASED:
             raise GrammarProtocolError(Refusal.RELEASED, f"{self._name}: commit after release")
         if from_ordinal < here:
