@@ -20,6 +20,8 @@ class EngineConfig:
     constrained requests stay overlapped: the executor delays only their sampling until the mask fenced at their
     ordinal exists (waiting up to ``grammar_wait_s``). Without it the scheduler commits step N before launching a
     step with constrained entries (early commit) and the executor does not wait for masks at all.
+    ``check_invariants`` (for tests) has the loop check the scheduler's KV accounting and the prefix cache's
+    invariants after every scheduler event; a violation stops the loop loudly.
     """
 
     model_path: str | None = None
@@ -35,6 +37,7 @@ class EngineConfig:
     cache_dir: str | None = None
     grammar_overlap: bool = True
     grammar_wait_s: float = 5.0
+    check_invariants: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

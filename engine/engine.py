@@ -5,6 +5,12 @@ loop and the plain loop are the same steps in another order:
 
     overlap:  plan N+1, launch N+1, commit N    (the forward of N+1 runs while N is committed)
     plain:    plan N,   launch N,   commit N
+
+Only the loop thread touches the scheduler, and no lock guards it: the loop may wait on the executor or the
+grammar service for as long as they take, and nothing another thread calls (``submit``, ``abort``, ``stats``) ever
+waits for the loop. Those calls hand messages to the loop through a queue and read state the loop publishes
+(a :class:`SchedulerStats` snapshot, replaced whole after every scheduler event), so a service's event loop that
+calls them never stalls behind a wedged executor or grammar service.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -95,15 +102,17 @@ class Engine:
                 f"scheduler's ({config.num_pages} pages of {config.page_size}): start both with the same flags"
             )
         self.tokenizer = Tokenizer.from_dir(self.info.model_path)
-        self.scheduler = Scheduler(config, grammar)
-        self._lock = threading.Lock()  # guards the scheduler between the loop thread and stats readers
+        self.scheduler = Scheduler(config, grammar)  # the loop thread's alone
+        self._stats = self.scheduler.stats()  # replaced whole by the loop thread after every scheduler event
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._opening: dict[str, bool] = {}  # loop thread only: constrained ids compiling -> aborted meanwhile
         self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ordinal-grammar-open")
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._stopping = False
-        self._live: set[str] = set()
+        # Engine ids submitted and not yet finished. submit() adds with one setdefault (atomic under the GIL, so two
+        # threads cannot both take an id); the loop thread removes.
+        self._live: dict[str, object] = {}
         self._sinks: dict[str, OutputSink] = {}
         self._seeds = itertools.count()
         self._releases: list[Future[None]] = []
@@ -135,11 +144,10 @@ class Engine:
         rid = request_id or uuid.uuid4().hex
         request = self._validated_request(rid, prompt_ids, params)
         request.constraint = constraint
-        with self._lock:
-            if rid in self._live:
-                raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
-            self._live.add(rid)
-            self._idle.clear()
+        claim = object()
+        if self._live.setdefault(rid, claim) is not claim:
+            raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
+        self._idle.clear()  # after the claim: see _wait_for_work
         self._timeline.added(rid, len(request.prompt_ids))
         if constraint is None:
             self._inbox.put(_Add(request, sink))
@@ -200,21 +208,29 @@ class Engine:
         return [f.result(timeout=timeout) for f in done]
 
     def abort(self, request_id: str, message: str = "aborted by client", cause: AbortCause = AbortCause.CLIENT) -> bool:
-        """Record an abort; True if the request was in flight. Takes effect before any later commit (C7)."""
-        with self._lock:
-            live = request_id in self._live
+        """Record an abort; True if the request was in flight. Takes effect before any later commit (C7).
+
+        Never waits: the abort is queued for the loop thread, which takes it in before its next plan and before
+        committing any result (C7, C8), however long the step it is waiting for takes."""
+        live = request_id in self._live
         if live:
             self._inbox.put(_Abort(request_id, message, cause))
             self._wake.set()
         return live
 
     def stats(self) -> SchedulerStats:
-        with self._lock:
-            return self.scheduler.stats()
+        """The scheduler's counters after its latest event (plan, commit, add, abort, release). Never waits."""
+        return self._stats
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until no request is live and no step is in flight (bounded)."""
-        return self._idle.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while self._idle.wait(max(0.0, deadline - time.monotonic())):
+            if not self._live:
+                return True
+            # The loop marked itself idle just as a submit claimed an id; it clears the mark at once.
+            time.sleep(0.001)
+        return False
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -272,9 +288,8 @@ class Engine:
     def _crashed(self, message: str) -> None:
         self._stopping = True
         finish = Finish(FinishReason.ABORT, message=message, cause=AbortCause.INTERNAL)
-        with self._lock:
-            sinks, self._sinks = self._sinks, {}
-            self._live.clear()
+        sinks, self._sinks = self._sinks, {}
+        self._live.clear()
         for rid, sink in sinks.items():
             out = RequestOutput(rid, (), "", 0, 0, 0, finish=finish, output_ids=())
             self._timeline.output(out)
@@ -292,9 +307,9 @@ class Engine:
                 # pending is committed before the next step is planned and launched (at launch none is pending).
                 while inflight:
                     self._commit(*inflight.popleft())
-            with self._lock:
-                plan = self.scheduler.plan()
+            plan = self.scheduler.plan()
             if plan is not None:
+                self._publish_stats()
                 self._timeline.step_launched(plan)
                 inflight.append((plan, self.runner.launch(plan)))
             # Overlap keeps the step just launched in flight while the one before it is committed.
@@ -315,13 +330,10 @@ class Engine:
             return
         except Exception as exc:  # the executor failed this step: end its requests, keep serving others
             log.exception("step %d failed", plan.step_id)
-            with self._lock:
-                outcome = self.scheduler.fail_step(plan.step_id, f"executor error: {exc}", AbortCause.INTERNAL)
-            self._deliver(outcome)
+            self._deliver(self.scheduler.fail_step(plan.step_id, f"executor error: {exc}", AbortCause.INTERNAL))
             return
         self._drain_inbox()  # an abort recorded before this commit wins over its result (C7)
-        with self._lock:
-            outcome = self.scheduler.commit(result)
+        outcome = self.scheduler.commit(result)
         self._timeline.step_committed(plan, result)
         self._deliver(outcome)
 
@@ -330,8 +342,7 @@ class Engine:
         log.warning("executor unavailable (step %s): %s", step_id, reason)
         message = f"executor unavailable: {reason}"
         self._inflight.clear()
-        with self._lock:
-            outcome = self.scheduler.executor_lost(message)
+        outcome = self.scheduler.executor_lost(message)
         self._releases.clear()  # the lost session took its buffers with it
         self._deliver(CommitOutcome(outputs=outcome.outputs))
 
@@ -351,12 +362,11 @@ class Engine:
             if isinstance(msg, _Abort) and msg.request_id in self._opening:
                 self._abort_opening(msg)
                 continue
-            with self._lock:
-                if isinstance(msg, _Add):
-                    self._sinks[msg.request.request_id] = msg.sink
-                    outcome = self.scheduler.add(msg.request)
-                else:
-                    outcome = self.scheduler.abort(msg.request_id, msg.message, msg.cause)
+            if isinstance(msg, _Add):
+                self._sinks[msg.request.request_id] = msg.sink
+                outcome = self.scheduler.add(msg.request)
+            else:
+                outcome = self.scheduler.abort(msg.request_id, msg.message, msg.cause)
             self._deliver(outcome)
 
     def _abort_opening(self, msg: _Abort) -> None:
@@ -385,8 +395,7 @@ class Engine:
         if aborted:
             if msg.error is None and self.grammar is not None:
                 self.grammar.release([rid])
-            with self._lock:
-                self._live.discard(rid)
+            self._live.pop(rid, None)
             return
         if msg.error is not None:
             cause = AbortCause.INVALID_GRAMMAR if isinstance(msg.error, InvalidRequestError) else AbortCause.GRAMMAR
@@ -394,11 +403,15 @@ class Engine:
             out = RequestOutput(rid, (), "", 0, len(msg.request.prompt_ids), 0, finish=finish, output_ids=())
             self._deliver(CommitOutcome(outputs=[out]))
             return
-        with self._lock:
-            outcome = self.scheduler.add(msg.request)
-        self._deliver(outcome)
+        self._deliver(self.scheduler.add(msg.request))
+
+    def _publish_stats(self) -> None:
+        self._stats = self.scheduler.stats()
+        if self.config.check_invariants:
+            self.scheduler.check_invariants()
 
     def _deliver(self, outcome: CommitOutcome) -> None:
+        self._publish_stats()  # before any sink runs: a client told of a finish reads stats that include it
         if outcome.released_slots:
             for done in [f for f in self._releases if f.done()]:
                 done.result()  # a failed release is a protocol bug: surface it
@@ -409,25 +422,25 @@ class Engine:
             sink = self._sinks.get(out.request_id)
             if out.finished:
                 self._sinks.pop(out.request_id, None)
-                with self._lock:
-                    self._live.discard(out.request_id)
+                self._live.pop(out.request_id, None)
             if sink is not None:
                 sink(out)
 
     def _wait_for_work(self) -> None:
-        # Decided under the lock that submit() takes, so a submit cannot slip between the check and the set.
-        with self._lock:
-            if self.scheduler.idle and not self._live:
-                for release in self._releases:
-                    release.result()  # buffers are back before anyone is told the engine is idle
-                self._releases.clear()
-                self._idle.set()
+        if self.scheduler.idle and not self._live:
+            for release in self._releases:
+                release.result()  # buffers are back before anyone is told the engine is idle
+            self._releases.clear()
+            self._publish_stats()
+            self._idle.set()
+            # submit() claims its id before it clears the mark: a claim seen now came after the check above, and a
+            # claim not seen yet clears the mark itself.
+            if self._live:
+                self._idle.clear()
         self._wake.wait(timeout=0.5)
 
     def _abort_all(self, message: str) -> None:
-        with self._lock:
-            live = list(self._live)
-        for rid in live:
+        for rid in tuple(self._live):
             self._inbox.put(_Abort(rid, message, AbortCause.SHUTDOWN))
         self._drain_inbox()
 

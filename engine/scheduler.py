@@ -449,6 +449,18 @@ class Scheduler:
             output_ids=tuple(req.output_ids) if req.finish is not None else None,
         )
 
+    def check_invariants(self) -> None:
+        """Raise :class:`ProtocolError` unless the page accounting and the prefix cache are consistent."""
+        s = self.stats()
+        if s.free_pages + s.evictable_pages + s.used_pages != s.total_pages:
+            raise ProtocolError(f"KV accounting: free + evictable + used != total ({s})")
+        if not 0 <= s.reserved_pages <= s.free_pages + s.evictable_pages:
+            raise ProtocolError(f"KV accounting: reservations exceed what the pool can give ({s})")
+        if s.free_slots + s.num_running != s.total_slots:
+            raise ProtocolError(f"slots: free + running != total ({s})")
+        if self.cache is not None:
+            self.cache.check_invariants()
+
     def stats(self) -> SchedulerStats:
         evictable = self.cache.num_evictable if self.cache is not None else 0
         free = self.allocator.num_free

@@ -72,7 +72,12 @@ SCHEMA = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps({"type": "string", "m
 @pytest.fixture(scope="module")
 def config(embedded_model_dir: Path) -> EngineConfig:
     return EngineConfig(
-        model_path=str(embedded_model_dir), page_size=PAGE, num_pages=128, max_running=4, chunk_size=CHUNK
+        model_path=str(embedded_model_dir),
+        page_size=PAGE,
+        num_pages=128,
+        max_running=4,
+        chunk_size=CHUNK,
+        check_invariants=True,
     )
 
 
@@ -439,7 +444,8 @@ def test_abort_rpc_ends_the_open_stream_with_an_abort(
 ) -> None:
     """smg's `Abort` RPC, the stream left open: the stream ends with a Complete whose finish reason is "abort",
     carrying the four tokens streamed before it and no chunk after it; the held fifth token never moves the KV
-    watermark. An Abort for an unknown id, or for a finished one, says so (success false) and changes nothing.
+    watermark. An Abort for an unknown id (then remembered as a tombstone), or for a finished one, says so (success
+    false) and changes nothing in the engine.
 
     Fails if the `self._engine.abort(engine_id, reason)` call in `SchedulerServicer.Abort` is removed (the stream
     then completes with "length" and eight tokens), or if `if req.finishing: continue` in `Scheduler.commit` is
