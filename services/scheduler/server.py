@@ -19,7 +19,13 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.engine import Engine
 from services.grpc_common import add_health_and_reflection
-from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer, executor_health, served_model
+from services.scheduler.servicer import (
+    SERVICE_NAME,
+    SchedulerServicer,
+    ServicerOptions,
+    executor_health,
+    served_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +65,11 @@ class SchedulerServer:
         served_model_name: str | None = None,
         executor: str | None = None,
         grammar: str | None = None,
+        options: ServicerOptions | None = None,
     ) -> None:
         self.engine = engine
-        self.servicer = SchedulerServicer(engine, served_model(engine.info, served_model_name), executor, grammar)
+        model = served_model(engine.info, served_model_name)
+        self.servicer = SchedulerServicer(engine, model, executor, grammar, options)
         self._health: health.aio.HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -110,6 +118,7 @@ class ThreadedServer:
         served_model_name: str | None = None,
         executor: str | None = None,
         grammar: str | None = None,
+        options: ServicerOptions | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="scheduler-grpc", daemon=True)
@@ -117,6 +126,7 @@ class ThreadedServer:
         self._name = served_model_name
         self._executor = executor
         self._grammar = grammar
+        self._options = options
         self.server: SchedulerServer | None = None
         self.port = 0
 
@@ -128,7 +138,7 @@ class ThreadedServer:
 
     async def _create(self) -> SchedulerServer:
         # Built on the server's loop: grpc.aio and the health servicer bind to the loop they are created on.
-        return SchedulerServer(self._engine, self._name, self._executor, self._grammar)
+        return SchedulerServer(self._engine, self._name, self._executor, self._grammar, self._options)
 
     def stop(self, grace: float | None = 1.0, timeout: float = 30.0) -> None:
         if not self._thread.is_alive():

@@ -1,9 +1,16 @@
 """The ``SglangScheduler`` servicer: SGLang's public gRPC API over the in-process :class:`Engine`.
 
 It only translates and delegates; every behaviour lives in ``engine/``. Nothing here blocks the event loop:
-``Engine.submit`` and ``Engine.abort`` are cheap, outputs arrive from the engine's loop thread through
+``Engine.submit``, ``Engine.abort`` and ``Engine.stats`` never wait for the engine's loop (which may itself be
+waiting for the executor or the grammar service), outputs arrive from the engine's loop thread through
 ``loop.call_soon_threadsafe``, and the calls that may wait (the executor health probe, reading the tokenizer
 files) run in worker threads.
+
+Abort is final the moment it answers. ``Generate`` and ``Abort`` are separate RPCs, so this servicer orders them
+itself: an Abort for an id not in flight leaves a tombstone (bounded, :mod:`engine.tombstones`) that ends a later
+``Generate`` with that id at once; an Abort of a stream in flight stops the stream's relay from writing anything the
+engine produced, committed or not, and ends it with a Complete (finish reason abort) counting what the client
+received, written before the Abort answers. See :meth:`SchedulerServicer.Abort` for what each answer means.
 
 Status mapping (what the smg gateway turns into HTTP): bad input → INVALID_ARGUMENT naming the proto field,
 before anything is allocated; a constraint xgrammar cannot compile → INVALID_ARGUMENT with xgrammar's reason
@@ -20,7 +27,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
@@ -35,7 +43,8 @@ from engine.errors import InvalidRequestError
 from engine.model.embedded import EMBEDDED_MODEL_NAME
 from engine.request import RequestOutput, TokenLogprob
 from engine.runner import ModelInfo
-from engine.stop import AbortCause, FinishReason
+from engine.stop import AbortCause, Finish, FinishReason
+from engine.tombstones import TombstoneBounds, Tombstones
 from services.scheduler import convert
 from services.scheduler.convert import GenerateSpec, ModelLimits, ServedModel, ServerState
 from services.scheduler.tokenizer_zip import build_tokenizer_zip, tokenizer_chunks
@@ -44,7 +53,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 
-_Outputs = asyncio.Queue[tuple[int, RequestOutput]]
+_Outputs = asyncio.Queue[tuple[int, RequestOutput] | None]  # None: wake up, an Abort RPC won
+
+ABORT_FLUSH_S = 1.0  # how long an Abort answer waits for its stream's final messages to be written
 
 
 class ExecutorLostError(Exception):
@@ -59,11 +70,26 @@ class InvalidGrammarError(Exception):
         self.details = details
 
 
+@dataclass(frozen=True)
+class ServicerOptions:
+    """``tombstones`` bounds the ids remembered for early and late aborts (see :mod:`engine.tombstones`).
+    ``before_write`` is a test hook: awaited with the public request id before each message of a Generate stream is
+    written (the moment an Abort RPC may win over outputs the engine already committed)."""
+
+    tombstones: TombstoneBounds = field(default_factory=TombstoneBounds)
+    before_write: Callable[[str], Awaitable[None]] | None = None
+
+
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     """Serves one engine. Public request ids map to engine ids (``<id>-<i>`` per sample when n > 1)."""
 
     def __init__(
-        self, engine: Engine, model: ServedModel, executor: str | None = None, grammar: str | None = None
+        self,
+        engine: Engine,
+        model: ServedModel,
+        executor: str | None = None,
+        grammar: str | None = None,
+        options: ServicerOptions | None = None,
     ) -> None:
         """``executor`` / ``grammar``: the services' addresses, for GetServerInfo (None: in process)."""
         self._engine = engine
@@ -80,7 +106,11 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self._version = ordinal_version()
         self._start_time = time.time()
         self._last_receive = 0.0
-        self._inflight: dict[str, tuple[str, ...]] = {}  # public request id -> engine ids; event loop only
+        self._inflight: dict[str, _Rpc] = {}  # public request id -> its RPC; event loop only
+        options = options if options is not None else ServicerOptions()
+        self._before_write = options.before_write
+        self._tombstones = Tombstones(options.tombstones)  # aborted before they arrived
+        self._finished = Tombstones(options.tombstones)  # ended recently: a late Abort says so, leaving no tombstone
         self._tokenizer_zip: bytes | None = None
 
     # ------------------------------------------------------------------------------------ generation
@@ -90,31 +120,82 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         # CancelledError right here and the engine requests are aborted at once, not when a generator is collected.
         self._last_receive = time.time()
         spec = await self._convert(request, context)
+        # From here to the registration below nothing awaits, so an Abort RPC either ran before (and left a
+        # tombstone) or runs after (and finds the RPC registered): there is no moment in between.
+        early = self._tombstones.pop(spec.request_id)
+        if early is not None:
+            await self._end_before_start(spec, early, context)
+            return
         if spec.request_id in self._inflight:
             await _refuse(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request_id: a request with id {spec.request_id!r} is already in flight",
             )
-        outputs: _Outputs = asyncio.Queue()
-        ids = await self._submit(spec, outputs, context)
-        self._inflight[spec.request_id] = ids
-        samples = _Samples(spec)
+        rpc = _Rpc(_Samples(spec))
+        self._inflight[spec.request_id] = rpc
         try:
-            while not samples.done:
-                index, out = await outputs.get()
-                for response in samples.responses(index, out):
-                    await context.write(response)
+            rpc.engine_ids = await self._submit(spec, rpc.outputs, context)
+            await self._relay(rpc, context)
         except ExecutorLostError as exc:
             await _refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except InvalidGrammarError as exc:
             await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc.details)
         finally:
-            # Samples are left unfinished when the client cancelled the RPC (CancelledError) or when one sample
-            # lost the executor: nobody will read the others, so stop them.
+            # Samples are left unfinished when the client cancelled the RPC (CancelledError), when one sample lost
+            # the executor, or when an Abort RPC won: nobody will read the others, so stop them.
             del self._inflight[spec.request_id]
+            self._finished.add(spec.request_id, rpc.samples.summary())
+            rpc.closed.set()
+            for index in rpc.samples.unfinished():
+                self._engine.abort(rpc.engine_ids[index], "the RPC ended before this sample finished")
+
+    async def _relay(self, rpc: _Rpc, context: grpc.aio.ServicerContext) -> None:
+        """Write each sample's outputs until every sample is complete or an Abort RPC wins.
+
+        Once ``rpc.aborted`` is set (by :meth:`Abort`, between two awaits of this coroutine) nothing more of the
+        engine's outputs is written, even what the engine committed before the abort reached it: only a Complete
+        with finish reason abort per open sample, counting the tokens this stream carried."""
+        samples = rpc.samples
+        while not samples.done and rpc.aborted is None:
+            item = await rpc.outputs.get()
+            if item is None:
+                break  # woken by an abort
+            index, out = item
+            samples.check_fatal(out)
+            if samples.spec.stream and out.new_token_ids:
+                if not await self._may_write(rpc):
+                    break
+                await context.write(samples.chunk(index, out))
+            else:
+                samples.received(index, out)
+            if out.finish is not None:
+                if not await self._may_write(rpc):
+                    break
+                await context.write(samples.complete(index, out))
+        if rpc.aborted is not None:
             for index in samples.unfinished():
-                self._engine.abort(ids[index], "the RPC ended before this sample finished (client cancelled)")
+                await context.write(samples.aborted(index))
+
+    async def _may_write(self, rpc: _Rpc) -> bool:
+        """Whether the relay may write the engine's next message: not once an Abort RPC won."""
+        if self._before_write is not None:
+            await self._before_write(rpc.samples.spec.request_id)
+        return rpc.aborted is None
+
+    @property
+    def num_tombstones(self) -> int:
+        """Aborts remembered for requests that have not arrived (bounded by ``ServicerOptions.tombstones``)."""
+        return len(self._tombstones)
+
+    async def _end_before_start(self, spec: GenerateSpec, reason: str, context: grpc.aio.ServicerContext) -> None:
+        """A request whose abort arrived first: every sample ends at once with finish reason abort, before anything
+        is allocated or any forward runs."""
+        log.info("request %s was aborted before it arrived (%s): ending it at once", spec.request_id, reason)
+        samples = _Samples(spec)
+        for index in samples.unfinished():
+            await context.write(samples.aborted(index))
+        self._finished.add(spec.request_id, samples.summary())
 
     async def _convert(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateSpec:
         try:
@@ -156,15 +237,42 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             self._engine.abort(engine_id, message)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        """Abort every sample of a request in flight; its stream then ends with finish_reason "abort"."""
-        ids = self._inflight.get(request.request_id)
-        if ids is None:
-            return pb.AbortResponse(success=False, message=f"no request with id {request.request_id!r} is in flight")
+        """End a request's stream with finish reason abort, whatever the engine is doing; never waits for it.
+
+        The answer says whether more tokens can come. ``success`` true: the request was in flight; its stream
+        carried the tokens the message counts and then carries nothing but a Complete with finish reason abort,
+        already written when this answers. ``success`` false: there is nothing to abort, and nothing more will come
+        either: the request already finished (its stream is complete), or no request with this id has arrived yet,
+        in which case the abort is remembered (a tombstone) and a ``Generate`` with this id arriving within
+        ``ttl_s`` seconds ends at once with finish reason abort."""
+        rid = request.request_id
         reason = request.reason or "aborted by an Abort RPC"
-        live = [self._engine.abort(engine_id, reason) for engine_id in ids]
-        if not any(live):
-            return pb.AbortResponse(success=False, message=f"request {request.request_id!r} already finished")
-        return pb.AbortResponse(success=True, message=f"request {request.request_id!r} aborted")
+        rpc = self._inflight.get(rid)
+        if rpc is None:
+            ended = self._finished.get(rid)
+            if ended is not None:
+                return pb.AbortResponse(success=False, message=f"request {rid!r} already finished ({ended})")
+            self._tombstones.add(rid, reason)
+            return pb.AbortResponse(
+                success=False,
+                message=f"no request with id {rid!r} is in flight; the abort is remembered: a Generate with this id "
+                f"arriving within {self._tombstones.bounds.ttl_s:g} s ends at once with finish reason abort",
+            )
+        if rpc.aborted is None:
+            if rpc.samples.done:  # every Complete is already on its way: the request ended normally
+                return pb.AbortResponse(success=False, message=f"request {rid!r} already finished")
+            rpc.abort(reason)
+            for engine_id in rpc.engine_ids:
+                self._engine.abort(engine_id, reason)
+        # Answer once the stream's final messages are written, so that they travel before this answer; bounded,
+        # for a client that stopped reading its stream.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(rpc.closed.wait(), ABORT_FLUSH_S)
+        return pb.AbortResponse(
+            success=True,
+            message=f"request {rid!r} aborted after {rpc.samples.num_streamed} streamed tokens; nothing follows but "
+            "its final message (finish reason abort)",
+        )
 
     # ------------------------------------------------------------------------------------ health and info
 
@@ -235,45 +343,99 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         await _unimplemented(context, "ListLoadedLoRAAdapters", "LoRA adapters are not supported")
 
 
+@dataclass(eq=False)
+class _Rpc:
+    """One Generate RPC as the event loop sees it. ``aborted``: the reason, once an Abort RPC won; from then on the
+    relay writes nothing of the engine's outputs. ``closed`` is set when the RPC's handler is done."""
+
+    samples: _Samples
+    engine_ids: tuple[str, ...] = ()
+    outputs: _Outputs = field(default_factory=asyncio.Queue)
+    aborted: str | None = None
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def abort(self, reason: str) -> None:
+        self.aborted = reason
+        self.outputs.put_nowait(None)  # wakes the relay if it waits for an output
+
+
 class _Samples:
-    """Turns the engine outputs of one RPC's samples into responses, and knows which samples are still open."""
+    """The messages of one RPC's samples, and what each sample's client has received so far.
+
+    Counts move when a message is built, which the relay does right before writing it: a message not written
+    because an abort won counts nothing."""
 
     def __init__(self, spec: GenerateSpec) -> None:
-        self._spec = spec
-        self._streamed = [0] * spec.n  # output tokens sent in chunks, per sample
+        self.spec = spec
+        self._tokens: list[list[int]] = [[] for _ in range(spec.n)]  # received by the client (or to be, in a Complete)
         self._logprobs: list[list[TokenLogprob]] = [[] for _ in range(spec.n)]
         self._open = set(range(spec.n))
+        self._finishes: list[str] = []
 
     @property
     def done(self) -> bool:
         return not self._open
 
+    @property
+    def num_streamed(self) -> int:
+        return sum(len(t) for t in self._tokens)
+
     def unfinished(self) -> list[int]:
         return sorted(self._open)
 
-    def responses(self, index: int, out: RequestOutput) -> list[pb.GenerateResponse]:
-        spec = self._spec
+    def summary(self) -> str:
+        return ", ".join(self._finishes) or "no sample finished"
+
+    def check_fatal(self, out: RequestOutput) -> None:
+        """Raise for a finish that ends the RPC with a status instead of a Complete."""
         finish = out.finish
-        if finish is not None:
-            self._open.discard(index)
-            if finish.reason is FinishReason.ABORT and finish.cause is AbortCause.EXECUTOR:
-                raise ExecutorLostError(finish.message or "the executor is unavailable")
-            if finish.reason is FinishReason.ABORT and finish.cause is AbortCause.INVALID_GRAMMAR:
-                raise InvalidGrammarError(convert.invalid_grammar_details(spec.constraint_field, finish.message))
-        wants_logprobs = spec.params.logprobs
-        if wants_logprobs:
+        if finish is None or finish.reason is not FinishReason.ABORT:
+            return
+        if finish.cause is AbortCause.EXECUTOR:
+            raise ExecutorLostError(finish.message or "the executor is unavailable")
+        if finish.cause is AbortCause.INVALID_GRAMMAR:
+            raise InvalidGrammarError(convert.invalid_grammar_details(self.spec.constraint_field, finish.message))
+
+    def received(self, index: int, out: RequestOutput) -> None:
+        """Record ``out``'s tokens without streaming them (a non-streaming RPC returns them in its Complete)."""
+        self._tokens[index].extend(out.new_token_ids)
+        if self.spec.params.logprobs:
             self._logprobs[index].extend(out.logprobs)
-        messages: list[pb.GenerateResponse] = []
-        # The last token travels in a chunk too: a streaming client reads text from chunks only.
-        if spec.stream and out.new_token_ids:
-            self._streamed[index] += len(out.new_token_ids)
-            messages.append(convert.chunk_response(spec.request_id, index, out, self._streamed[index], wants_logprobs))
-        if finish is not None:
-            if finish.reason is FinishReason.ABORT:
-                log.info("request %s sample %d aborted: %s", spec.request_id, index, finish.message)
-            logprobs = self._logprobs[index] if wants_logprobs else None
-            messages.append(convert.complete_response(spec.request_id, index, out, logprobs))
-        return messages
+
+    def chunk(self, index: int, out: RequestOutput) -> pb.GenerateResponse:
+        self.received(index, out)
+        wants = self.spec.params.logprobs
+        return convert.chunk_response(self.spec.request_id, index, out, len(self._tokens[index]), wants)
+
+    def complete(self, index: int, out: RequestOutput) -> pb.GenerateResponse:
+        assert out.finish is not None
+        self._close(index, out.finish.reason.value)
+        if out.finish.reason is FinishReason.ABORT:
+            log.info("request %s sample %d aborted: %s", self.spec.request_id, index, out.finish.message)
+        logprobs = self._logprobs[index] if self.spec.params.logprobs else None
+        return convert.complete_response(self.spec.request_id, index, out, logprobs)
+
+    def aborted(self, index: int) -> pb.GenerateResponse:
+        """The Complete of a sample an Abort RPC ended: exactly the tokens its client received, finish reason
+        abort (the engine may have committed more, or finished the sample, after the abort won here)."""
+        self._close(index, FinishReason.ABORT.value)
+        tokens = tuple(self._tokens[index])
+        out = RequestOutput(
+            self.spec.request_id,
+            (),
+            "",
+            len(tokens),
+            len(self.spec.prompt_ids),
+            0,
+            finish=Finish(FinishReason.ABORT, message="aborted by an Abort RPC", cause=AbortCause.CLIENT),
+            output_ids=tokens,
+        )
+        logprobs = self._logprobs[index] if self.spec.params.logprobs else None
+        return convert.complete_response(self.spec.request_id, index, out, logprobs)
+
+    def _close(self, index: int, reason: str) -> None:
+        self._open.discard(index)
+        self._finishes.append(reason if self.spec.n == 1 else f"sample {index}: {reason}")
 
 
 def _sink(loop: asyncio.AbstractEventLoop, outputs: _Outputs, index: int) -> OutputSink:

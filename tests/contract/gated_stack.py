@@ -17,6 +17,7 @@ embedded model. The gate only holds and releases messages in order. The checks:
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -113,6 +114,21 @@ class EngineEvents(NullObserver):
         self._cond = threading.Condition()
         self.finished: dict[str, RequestFinished] = {}
         self.committed: set[int] = set()
+        self.tokens: Counter[str] = Counter()  # output tokens committed, per request
+
+    def first_token(self, request_id: str, num_tokens: int, seconds: float) -> None:
+        self.output_tokens(request_id, num_tokens, seconds)
+
+    def output_tokens(self, request_id: str, num_tokens: int, seconds: float) -> None:
+        with self._cond:
+            self.tokens[request_id] += num_tokens
+            self._cond.notify_all()
+
+    def wait_tokens(self, rid: str, n: int, timeout: float = WAIT_S) -> None:
+        """Until the engine committed at least ``n`` output tokens of ``rid`` (streamed or not)."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.tokens[rid] >= n, timeout)
+            assert ok, f"{rid}: {n} tokens not committed within {timeout} s (got {self.tokens[rid]})"
 
     def request_finished(self, event: RequestFinished) -> None:
         with self._cond:
@@ -164,7 +180,8 @@ class GrammarProbe:
     """A grammar backend delegating every call to a real one (a shared :class:`LocalGrammar`, which the engine then
     does not shut down). It records every commit, so a test can see what reached a request's grammar state (C7), and
     with ``hold_open`` its ``open`` (the compile) waits until the test sets ``proceed``; ``opening`` is set when a
-    compile started."""
+    compile started. After :meth:`hold_commits` a commit waits (as one to a wedged grammar service would) until the
+    test sets ``proceed_commits``; ``committing`` is set once a commit is waiting."""
 
     def __init__(self, inner: LocalGrammar, hold_open: bool = False) -> None:
         self.inner = inner
@@ -172,8 +189,15 @@ class GrammarProbe:
         self.proceed = threading.Event()
         if not hold_open:
             self.proceed.set()
+        self.committing = threading.Event()
+        self.proceed_commits = threading.Event()
+        self.proceed_commits.set()
         self._lock = threading.Lock()
         self._commits: list[CommitEntry] = []
+
+    def hold_commits(self) -> None:
+        self.committing.clear()
+        self.proceed_commits.clear()
 
     def open(self, request_id: str, constraint: Constraint) -> None:
         self.opening.set()
@@ -182,6 +206,10 @@ class GrammarProbe:
         self.inner.open(request_id, constraint)
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
+        if not self.proceed_commits.is_set():
+            self.committing.set()
+            if not self.proceed_commits.wait(WAIT_S):
+                raise TimeoutError("the test never let the held grammar commit proceed")
         with self._lock:
             self._commits.extend(entries)
         return self.inner.commit(entries)
@@ -336,9 +364,7 @@ def assert_back_to(before: Baseline, engine: Engine, gate: StepGate) -> None:
     s = engine.stats()
     assert s.num_waiting == s.num_running == s.inflight_steps == 0 and s.used_pages == 0, s
     assert s.free_pages + s.evictable_pages + s.used_pages == s.total_pages, s
-    with engine._lock:  # the loop thread mutates the cache; its invariants are read under the engine's lock
-        if engine.scheduler.cache is not None:
-            engine.scheduler.cache.check_invariants()
+    engine.scheduler.check_invariants()  # read from this thread: a drained loop changes nothing
 
 
 def solo_outputs(engine: Engine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[list[int]]:
