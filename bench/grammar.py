@@ -58,9 +58,8 @@ from engine.grammar.masks import PendingMasks, StepMasks
 from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, MaskEntry, MaskRefusals
 from engine.model.embedded import ensure_embedded_model
 from engine.request import RequestOutput
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, ResolvedEntry
 from engine.sampling_params import SamplingParams
-from engine.step import StepEntry
 from engine.stop import FinishReason
 from services.grammar.convert import MaskAnswer, encode_masks, mask_answers
 
@@ -218,7 +217,7 @@ class TimedRunner(ModelRunner):
 
     costs: GrammarCosts
 
-    def _start_masks(self, sampling: list[StepEntry]) -> PendingMasks | None:
+    def _start_masks(self, sampling: list[ResolvedEntry]) -> PendingMasks | None:
         pending = super()._start_masks(sampling)
         return _TimedPendingMasks(pending, self.costs) if pending is not None else None
 

@@ -20,6 +20,8 @@ class EngineConfig:
     constrained requests stay overlapped: the executor delays only their sampling until the mask fenced at their
     ordinal exists (waiting up to ``grammar_wait_s``). Without it the scheduler commits step N before launching a
     step with constrained entries (early commit) and the executor does not wait for masks at all.
+    ``num_draft_tokens``: draft positions each decode entry may carry (speculative decoding; 0 = none). The
+    executor fills them with its proposer's drafts and returns the accepted ones with the sampled token.
     ``check_invariants`` (for tests) has the loop check the scheduler's KV accounting and the prefix cache's
     invariants after every scheduler event; a violation stops the loop loudly.
     """
@@ -37,6 +39,7 @@ class EngineConfig:
     cache_dir: str | None = None
     grammar_overlap: bool = True
     grammar_wait_s: float = 5.0
+    num_draft_tokens: int = 0
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
@@ -45,6 +48,8 @@ class EngineConfig:
         for name in ("page_size", "num_pages", "max_running", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
 
     @property
     def mask_wait_s(self) -> float:

@@ -31,6 +31,8 @@ from engine.config import EngineConfig
 from engine.errors import ExecutorUnavailableError, InvalidRequestError
 from engine.grammar.backend import GrammarBackend, LocalGrammar
 from engine.grammar.constraint import Constraint
+from engine.grammar.registry import CommitEntry
+from engine.grammar.registry import CommitOutcome as GrammarCommitOutcome
 from engine.metrics import EngineObserver, NullObserver, RequestTimeline
 from engine.model.tokenizer import Tokenizer
 from engine.request import Request, RequestOutput
@@ -102,7 +104,7 @@ class Engine:
                 f"scheduler's ({config.num_pages} pages of {config.page_size}): start both with the same flags"
             )
         self.tokenizer = Tokenizer.from_dir(self.info.model_path)
-        self.scheduler = Scheduler(config, grammar)  # the loop thread's alone
+        self.scheduler = Scheduler(config)  # the loop thread's alone
         self._stats = self.scheduler.stats()  # replaced whole by the loop thread after every scheduler event
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._opening: dict[str, bool] = {}  # loop thread only: constrained ids compiling -> aborted meanwhile
@@ -333,9 +335,22 @@ class Engine:
             self._deliver(self.scheduler.fail_step(plan.step_id, f"executor error: {exc}", AbortCause.INTERNAL))
             return
         self._drain_inbox()  # an abort recorded before this commit wins over its result (C7)
-        outcome = self.scheduler.commit(result)
+        pending = self.scheduler.commit(result)
+        outcome = self.scheduler.finish_commit(pending, self._commit_grammar(pending.grammar))
         self._timeline.step_committed(plan, result)
         self._deliver(outcome)
+
+    def _commit_grammar(self, entries: list[CommitEntry]) -> list[GrammarCommitOutcome]:
+        """The grammar service's half of a commit, between the scheduler's two phases (C1, C2). A failed call ends
+        the constrained requests of this step (their grammar state is unknown now), never the loop."""
+        if not entries:
+            return []
+        assert self.grammar is not None, "a constrained request reached an engine without a grammar service"
+        try:
+            return self.grammar.commit(entries)
+        except Exception as exc:
+            log.warning("grammar commit failed: %s", exc)
+            return [GrammarCommitOutcome(None, None, f"the grammar service failed: {exc}") for _ in entries]
 
     def _executor_lost(self, step_id: int | None, reason: str) -> None:
         """The executor session ended: fail every step in flight, then every request (their KV is gone)."""
@@ -344,7 +359,7 @@ class Engine:
         self._inflight.clear()
         outcome = self.scheduler.executor_lost(message)
         self._releases.clear()  # the lost session took its buffers with it
-        self._deliver(CommitOutcome(outputs=outcome.outputs))
+        self._deliver(CommitOutcome(outputs=outcome.outputs, released_grammars=outcome.released_grammars))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -412,6 +427,11 @@ class Engine:
 
     def _deliver(self, outcome: CommitOutcome) -> None:
         self._publish_stats()  # before any sink runs: a client told of a finish reads stats that include it
+        if outcome.released_grammars and self.grammar is not None:
+            try:
+                self.grammar.release(outcome.released_grammars)
+            except Exception as exc:  # the service is gone: so are its matchers
+                log.warning("grammar release failed: %s", exc)
         if outcome.released_slots:
             for done in [f for f in self._releases if f.done()]:
                 done.result()  # a failed release is a protocol bug: surface it

@@ -138,7 +138,7 @@ class RequestTimeline:
                 del self._launched[step_id]
             started = max(launched, self._last_commit)
             self._last_commit = now
-        prefill = sum(e.num_tokens for e in plan.entries if e.ordinal == 0)
+        prefill = sum(e.num_tokens for e in plan.entries if e.is_prefill)
         self._notify(
             self._observer.step_committed,
             StepCommitted(
@@ -146,9 +146,9 @@ class RequestTimeline:
                 num_requests=len(plan.entries),
                 num_tokens=plan.num_tokens,
                 num_prefill_tokens=prefill,
-                num_samples=len(result.samples),
+                num_samples=sum(len(r.token_ids) for r in result.runs),
                 seconds=now - started,
-                forward_seconds=result.forward_seconds,
+                forward_seconds=result.timing.done,
             ),
         )
 

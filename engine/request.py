@@ -68,9 +68,12 @@ class Request:
 
     Counters, all in tokens:
     - ``prefill_pos``: prompt tokens planned into steps so far (KV written or being written).
-    - ``planned_output``: output tokens sampled or being sampled (committed + the one in flight).
+    - ``inflight_output``: output tokens the steps in flight may still produce (an upper bound: a step with
+      draft positions may accept fewer), so ``planned_output`` = committed + that bound.
     - ``kv_committed``: the KV watermark: positions [0, kv_committed) were written by retired steps whose
       results were committed (C11: only these may enter the prefix cache).
+    - ``last_run_start``: the ordinal at which the request's last committed run began (what a decode planned
+      while no step of it is in flight builds on, C2); ``sent_pages``: pages the executor has been sent.
     """
 
     request_id: str
@@ -88,10 +91,12 @@ class Request:
     cache_node: RadixNode | None = None
     reserved_pages: int = 0
     prefill_pos: int = 0
-    planned_output: int = 0
+    inflight_output: int = 0
     kv_committed: int = 0
+    last_run_start: int = 0
     inflight_steps: int = 0
     sent_new: bool = False
+    sent_pages: int = 0
     prefix_counted: bool = False
     grammar_terminated: bool = False
     finish: Finish | None = None
@@ -99,6 +104,11 @@ class Request:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def planned_output(self) -> int:
+        """Output tokens committed or possibly being produced by the steps in flight (an upper bound)."""
+        return len(self.output_ids) + self.inflight_output
 
     def transition(self, to: RequestState) -> None:
         if to not in _LEGAL[self.state]:

@@ -1,9 +1,10 @@
 """The model runner: executes step plans on the model and the physical KV pool, and samples.
 
-It owns per-request buffers (sampling state and the last sampled token), indexed by the slot the scheduler
-assigned. A plan entry whose input is not known to the scheduler yet (``input_ref``) is resolved here from
-that buffer, so overlapped steps need no host round trip. Steps run strictly in launch order on one worker
-thread; that order is what makes a reference to "the token this slot sampled last" well defined.
+It owns per-request buffers (sampling state, page table, sequence length and the last produced token), indexed
+by the slot the scheduler assigned: the persistent half of the step protocol (engine/step.py). A plan entry whose
+input is not known to the scheduler yet (``input_ref``) is resolved here from that buffer, so overlapped steps need
+no host round trip, and positions come from the buffer's sequence length. Steps run strictly in launch order on
+one worker thread; that order is what makes a reference to "the token this slot produced last" well defined.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.tokenizer import Tokenizer
 from engine.sampler import Sampler, SamplingState
-from engine.step import SampledToken, StepEntry, StepPlan, StepResult
+from engine.step import SampledRun, StepEntry, StepPlan, StepResult, StepTiming
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,31 @@ class StepRunner(Protocol):
 
 @dataclass
 class SlotBuffer:
-    """The executor's per-request state, alive from a request's first entry until its slot is released."""
+    """The executor's per-request state, alive from a request's first entry until its slot is released.
+
+    The persistent half of a step: the request's page table, how many of its KV positions hold accepted tokens
+    (``seq_len``: a run is written right after them, C11), its last produced token whose KV no step has written
+    yet (``pending``, the input of the next decode) and the ordinal its last run began at (``run_start``, what
+    the next decode must name: C2)."""
 
     request_id: str
     sampling: SamplingState
-    last_token: int | None = None
+    prompt: tuple[int, ...]
+    pages: list[int]
+    seq_len: int
+    pending: int | None = None
+    run_start: int = 0
+
+
+@dataclass(frozen=True)
+class ResolvedEntry:
+    """One entry checked against its slot, before anything of the slot changes."""
+
+    entry: StepEntry
+    buffer: SlotBuffer
+    tokens: tuple[int, ...]  # the input run
+    start_pos: int
+    pages: tuple[int, ...]  # the page table after this entry's new pages
 
 
 class ModelRunner:
@@ -162,97 +183,154 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
-        buffers = [self._buffer_for(entry) for entry in plan.entries]
-        seqs = [self._seq_input(entry, buf) for entry, buf in zip(plan.entries, buffers, strict=True)]
-        sampling = [(e, b) for e, b in zip(plan.entries, buffers, strict=True) if e.sample]
-        self._check_ordinals(sampling)
+        # Every entry is checked against its slot before any slot's state moves; only new requests are registered
+        # first, even when the step is then refused or fails: the scheduler ends the step's requests and releases
+        # their slots, which must exist.
+        resolved = self._resolve(plan)
+        sampling = [r for r in resolved if r.entry.sample]
         # C4, delayed sampling: the fenced masks are fetched while the forward runs; only sampling waits.
-        pending = self._start_masks([e for e, _ in sampling])
+        masks_started = time.perf_counter() - started
+        pending = self._start_masks(sampling)
+        forward_started = time.perf_counter() - started
+        cpu = time.thread_time()
         try:
+            seqs = [SeqInput(r.tokens, r.start_pos, r.pages, _logits_mode(r.entry)) for r in resolved]
             batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
             logits = self._model(batch, self._kv)  # [num sampling entries, V]
         except BaseException:
             if pending is not None:
                 pending.close()  # an open fence would be filled by every later commit, into a buffer nobody reads
             raise
+        forward_cpu = time.thread_time() - cpu
+        forward_done = time.perf_counter() - started
         masks = pending.result(self._device) if pending is not None else StepMasks(None, {})
-        samples: tuple[SampledToken, ...] = ()
-        if sampling:
-            samples = self._sample(logits, sampling, masks)
-        return StepResult(plan.step_id, samples, time.perf_counter() - started)
+        runs = self._sample(logits, sampling, masks) if sampling else ()
+        self._advance(resolved)
+        timing = StepTiming(
+            masks_started if pending is not None else None,
+            forward_started,
+            forward_done,
+            time.perf_counter() - started,
+            forward_cpu,
+        )
+        return StepResult(plan.step_id, runs, timing)
 
-    def _start_masks(self, sampling: list[StepEntry]) -> PendingMasks | None:
-        if self._masks is None:
-            if any(e.constrained for e in sampling):
-                raise ProtocolError("a constrained entry reached an executor started without a grammar service")
-            return None
-        return self._masks.start(sampling)
+    def _resolve(self, plan: StepPlan) -> list[ResolvedEntry]:
+        if len({entry.slot for entry in plan.entries}) != len(plan.entries):
+            raise ProtocolError(f"step {plan.step_id} names a slot twice")
+        for entry in plan.entries:
+            if entry.new is not None:
+                self._register(entry)
+        return [self._resolve_entry(entry) for entry in plan.entries]
 
-    def _buffer_for(self, entry: StepEntry) -> SlotBuffer:
+    def _register(self, entry: StepEntry) -> None:
+        held = self._slots.get(entry.slot)
+        if held is not None:
+            raise ProtocolError(f"slot {entry.slot} still holds request {held.request_id}")
+        self._slots[entry.slot] = self._new_buffer(entry)
+
+    def _resolve_entry(self, entry: StepEntry) -> ResolvedEntry:
+        who = f"request {entry.request_id}"
         buf = self._slots.get(entry.slot)
-        if entry.new is not None:
-            if buf is not None:
-                raise ProtocolError(f"slot {entry.slot} still holds request {buf.request_id}")
-            state = SamplingState(
-                entry.new.params,
-                entry.new.prompt_ids,
-                self._eos,
-                self._vocab_size,
-                self._device,
-                entry.new.seed,
-            )
-            buf = SlotBuffer(entry.request_id, state)
-            self._slots[entry.slot] = buf
-            return buf
         if buf is None or buf.request_id != entry.request_id:
             raise ProtocolError(f"slot {entry.slot} does not hold request {entry.request_id}")
-        return buf
+        if entry.num_draft:
+            raise ProtocolError(f"{who}: {entry.num_draft} draft positions, but this executor has no draft proposer")
+        tokens = self._input_run(entry, buf)
+        pages = (*buf.pages, *entry.new_pages)
+        end = buf.seq_len + len(tokens)
+        if len(pages) * self._kv.page_size < end:
+            raise ProtocolError(f"{who}: {len(pages)} pages do not cover positions [0, {end})")
+        return ResolvedEntry(entry, buf, tokens, buf.seq_len, pages)
+
+    def _new_buffer(self, entry: StepEntry) -> SlotBuffer:
+        new = entry.new
+        assert new is not None
+        if not 0 <= new.cached_len < len(new.prompt_ids):
+            raise ProtocolError(
+                f"request {entry.request_id}: cached_len {new.cached_len} must leave at least one of the "
+                f"{len(new.prompt_ids)} prompt tokens to prefill"
+            )
+        state = SamplingState(new.params, new.prompt_ids, self._eos, self._vocab_size, self._device, new.seed)
+        return SlotBuffer(entry.request_id, state, new.prompt_ids, [], new.cached_len)
 
     @staticmethod
-    def _seq_input(entry: StepEntry, buf: SlotBuffer) -> SeqInput:
+    def _input_run(entry: StepEntry, buf: SlotBuffer) -> tuple[int, ...]:
+        """The entry's input tokens, after checking that it builds on exactly the slot's state (C2)."""
+        who = f"request {entry.request_id}"
         if entry.input_ref:
-            if buf.last_token is None:
-                raise ProtocolError(f"request {entry.request_id}: input reference before any sample")
-            tokens: Sequence[int] = (buf.last_token,)
-        else:
-            tokens = entry.input_ids
-        mode = LogitsMode.LAST if entry.sample else LogitsMode.NONE
-        return SeqInput(tokens, entry.start_pos, entry.page_table, mode)
-
-    @staticmethod
-    def _check_ordinals(rows: list[tuple[StepEntry, SlotBuffer]]) -> None:
-        for entry, buf in rows:
-            if buf.sampling.num_output != entry.ordinal:
+            if buf.pending is None:
+                raise ProtocolError(f"{who}: input reference before any sample")
+            if entry.ordinal != buf.run_start:
                 raise ProtocolError(
-                    f"request {entry.request_id}: plan samples ordinal {entry.ordinal}, "
-                    f"executor has sampled {buf.sampling.num_output}"
+                    f"{who}: plan builds on the run at ordinal {entry.ordinal}, the executor's last run began at "
+                    f"ordinal {buf.run_start}"
                 )
+            if not entry.sample:
+                raise ProtocolError(f"{who}: a decode must sample")
+            return (buf.pending, *entry.input_ids)
+        if buf.pending is not None:
+            raise ProtocolError(
+                f"{who}: literal input, but the slot's last token (run at ordinal {buf.run_start}) is still to be "
+                "fed: a decode must reference it"
+            )
+        if entry.ordinal != 0 or not entry.input_ids:
+            raise ProtocolError(f"{who}: a prefill chunk builds on ordinal 0 and carries prompt ids")
+        end = buf.seq_len + len(entry.input_ids)
+        if entry.sample != (end == len(buf.prompt)):
+            raise ProtocolError(f"{who}: only the chunk that ends the prompt samples (C10)")
+        expected = buf.prompt[buf.seq_len : end]
+        if entry.input_ids != expected:
+            raise ProtocolError(
+                f"{who}: the chunk of {len(entry.input_ids)} tokens is not the prompt's continuation at position "
+                f"{buf.seq_len} (C10: chunks in order, each once)"
+            )
+        return entry.input_ids
 
-    def _sample(
-        self, logits: torch.Tensor, rows: list[tuple[StepEntry, SlotBuffer]], masks: StepMasks
-    ) -> tuple[SampledToken, ...]:
-        out = self._sampler.sample(logits, [buf.sampling for _, buf in rows], masks.bitmask)
-        samples = []
-        for i, (entry, buf) in enumerate(rows):
-            token = out.token_ids[i]
+    def _start_masks(self, sampling: list[ResolvedEntry]) -> PendingMasks | None:
+        rows = [(i, r.entry.request_id, r.buffer.sampling.num_output) for i, r in enumerate(sampling)]
+        constrained = [row for row, r in zip(rows, sampling, strict=True) if r.entry.constrained]
+        if self._masks is None:
+            if constrained:
+                raise ProtocolError("a constrained entry reached an executor started without a grammar service")
+            return None
+        return self._masks.start(constrained, len(sampling))
+
+    def _sample(self, logits: torch.Tensor, rows: list[ResolvedEntry], masks: StepMasks) -> tuple[SampledRun, ...]:
+        out = self._sampler.sample(logits, [r.buffer.sampling for r in rows], masks.bitmask)
+        runs = []
+        for i, r in enumerate(rows):
+            buf, token = r.buffer, out.token_ids[i]
+            ordinal = buf.sampling.num_output
             buf.sampling.record(token)
-            buf.last_token = token
-            samples.append(
-                SampledToken(
-                    request_id=entry.request_id,
-                    ordinal=entry.ordinal,
-                    token_id=token,
-                    logprob=out.logprobs[i] if out.logprobs is not None else None,
-                    top_logprobs=tuple(out.top_logprobs[i]) if out.top_logprobs is not None else None,
+            buf.pending, buf.run_start = token, ordinal
+            runs.append(
+                SampledRun(
+                    request_id=r.entry.request_id,
+                    ordinal=ordinal,
+                    token_ids=(token,),
+                    logprobs=(out.logprobs[i],) if out.logprobs is not None else None,
+                    top_logprobs=(tuple(out.top_logprobs[i]),) if out.top_logprobs is not None else None,
                     error=masks.errors.get(i),
                 )
             )
-        return tuple(samples)
+        return tuple(runs)
+
+    def _advance(self, resolved: list[ResolvedEntry]) -> None:
+        """The step's KV is written: each slot's accepted positions grow by its run (C11), its pages are kept."""
+        for r in resolved:
+            buf = r.buffer
+            buf.pages[len(buf.pages) :] = r.entry.new_pages
+            buf.seq_len += len(r.tokens)
 
     def _release(self, slots: tuple[int, ...]) -> None:
         for slot in slots:
             if self._slots.pop(slot, None) is None:
                 raise ProtocolError(f"release of slot {slot}, which holds no request")
+
+
+def _logits_mode(entry: StepEntry) -> LogitsMode:
+    return LogitsMode.LAST if entry.sample else LogitsMode.NONE
 
 
 def model_dir(config: EngineConfig) -> Path:

@@ -7,45 +7,90 @@ and an allocation can never fail mid-flight, so a running request is never retra
 memory pressure; a request that does not fit waits in FIFO order.
 
 Ordering rules enforced here (DESIGN.md section 3):
-- C1: :meth:`Scheduler.commit` is the only place where a request's output and KV watermark move, once per
-  step result, in step order.
-- C2: every plan entry names the ordinal it samples at; a result naming another ordinal is refused.
-- C6/C7: a result for a request whose finish is decided or pending is dropped whole.
+- C1: :meth:`Scheduler.commit` (with :meth:`Scheduler.finish_commit`) is the only place where a request's output
+  and KV watermark move, once per step result, in step order.
+- C2: every plan entry names the ordinal it builds on; a result whose run does not begin at the request's
+  committed count is refused.
+- C6: a run is cut at the first token that finishes the request (a stop token or string, the length, the
+  grammar's end); nothing after it reaches output, grammar, watermark or stream.
+- C7: a result for a request whose finish is decided or pending is dropped whole.
 - C8: a request with a pending finish is never planned into a new step.
 - C9: pages and the slot of a finishing request are released only once no in-flight step names it.
 - C10: middle-chunk samples do not exist (nothing is sampled); chunk k+1 is planned only after chunk k's
   step retired.
 - C11: only KV below the committed watermark enters the prefix cache.
+
+The scheduler is pure bookkeeping: it calls no service. A commit has two phases around the grammar service's
+commit, which the caller makes: :meth:`Scheduler.commit` checks a result and cuts its runs at their finish
+(returning the grammar entries to commit, C1, C2), :meth:`Scheduler.finish_commit` applies what the grammar
+accepted (C6, C13). Grammar matchers to release come back in every outcome.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import ProtocolError
-from engine.grammar.backend import GrammarBackend
 from engine.grammar.registry import CommitEntry
+from engine.grammar.registry import CommitOutcome as GrammarCommitOutcome
 from engine.kv.allocator import PageAllocator
 from engine.kv.prefix_cache import RadixNode, RadixPrefixCache
 from engine.kv.slots import SlotTable
 from engine.request import Request, RequestOutput, RequestState, TokenLogprob
-from engine.step import NewRequest, SampledToken, StepEntry, StepPlan, StepResult
-from engine.stop import AbortCause, Finish, FinishReason, StopUpdate
+from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult
+from engine.stop import AbortCause, Finish, FinishReason
 
 
 @dataclass
 class CommitOutcome:
-    """What a scheduler event produced: outputs to stream, executor slots whose buffers may be freed."""
+    """What a scheduler event produced: outputs to stream, executor slots whose buffers may be freed, grammar
+    matchers to release (at once: a mask request of a step still in flight is then refused instead of waiting
+    at the fence for a commit that will never come, C3)."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
     released_slots: list[int] = field(default_factory=list)
+    released_grammars: list[str] = field(default_factory=list)
 
     def extend(self, other: CommitOutcome) -> None:
         self.outputs.extend(other.outputs)
         self.released_slots.extend(other.released_slots)
+        self.released_grammars.extend(other.released_grammars)
+
+
+@dataclass(frozen=True)
+class _Inflight:
+    """A launched step as the scheduler planned it: per entry, the output tokens it may produce and, for a
+    prefill chunk, the end of the positions it writes."""
+
+    plan: StepPlan
+    planned: tuple[int, ...]
+    chunk_ends: tuple[int, ...]
+
+
+@dataclass
+class _Cut:
+    """One live run after the stop checks (phase 1 of a commit), before the grammar has seen it."""
+
+    req: Request
+    run: SampledRun
+    kept: tuple[int, ...]  # the run up to and including the token that finishes the request, if one does
+    deltas: list[str]  # text each kept token added
+    finish: Finish | None
+    trim_tokens: int  # output ids a matched stop string removes from the end
+
+
+@dataclass
+class PendingCommit:
+    """Phase 1 of a commit (:meth:`Scheduler.commit`): what the grammar service must commit before
+    :meth:`Scheduler.finish_commit` can decide the rest. ``grammar`` is one batched call (C1, C2)."""
+
+    grammar: list[CommitEntry]
+    outcome: CommitOutcome
+    _inflight: _Inflight
+    _cuts: list[_Cut]
 
 
 @dataclass(frozen=True)
@@ -72,10 +117,8 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 class Scheduler:
     """Plans steps and commits their results. Not thread-safe: one loop thread drives it."""
 
-    def __init__(self, config: EngineConfig, grammar: GrammarBackend | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self._config = config
-        self._grammar = grammar
-        self._grammar_releases: list[str] = []
         self._page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.cache = RadixPrefixCache(config.page_size, self.allocator) if config.prefix_cache else None
@@ -83,7 +126,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
-        self._inflight: deque[StepPlan] = deque()
+        self._inflight: deque[_Inflight] = deque()
         self._next_step_id = 1
         self._reserved = 0
         self._prefill_tokens = 0
@@ -126,83 +169,91 @@ class Scheduler:
 
     def plan(self) -> StepPlan | None:
         """Plan the next step from current bookkeeping, or None when nothing can run now."""
-        entries: list[StepEntry] = []
+        planned: list[tuple[StepEntry, int, int]] = []  # entry, output tokens it may produce, chunk end
         budget = self._config.chunk_size
         for req in self._running:
-            entry, used = self._plan_running(req, budget)
-            if entry is not None:
-                entries.append(entry)
+            item, used = self._plan_running(req, budget)
+            if item is not None:
+                planned.append(item)
                 budget -= used
         while budget > 0 and self._waiting and self._admit(self._waiting[0]):
             req = self._waiting.popleft()
-            entry, used = self._plan_chunk(req, budget)
-            entries.append(entry)
+            item, used = self._plan_chunk(req, budget)
+            planned.append(item)
             budget -= used
-        if not entries:
+        if not planned:
             return None
-        plan = StepPlan(self._next_step_id, tuple(entries))
+        plan = StepPlan(self._next_step_id, tuple(entry for entry, _, _ in planned))
         self._next_step_id += 1
-        for entry in entries:
-            self._requests[entry.request_id].inflight_steps += 1
-        self._inflight.append(plan)
+        for entry, tokens, _ in planned:
+            req = self._requests[entry.request_id]
+            req.inflight_steps += 1
+            req.inflight_output += tokens
+        self._inflight.append(
+            _Inflight(plan, tuple(tokens for _, tokens, _ in planned), tuple(end for _, _, end in planned))
+        )
         return plan
 
-    def _plan_running(self, req: Request, budget: int) -> tuple[StepEntry | None, int]:
+    def _plan_running(self, req: Request, budget: int) -> tuple[tuple[StepEntry, int, int] | None, int]:
         if req.finishing:
             return None, 0  # C8: a pending finish is never planned into a new step.
         if req.state is RequestState.PREFILLING:
             if req.inflight_steps or budget <= 0:
                 return None, 0  # C10: chunk k+1 only after chunk k's step retired.
             return self._plan_chunk(req, budget)
-        if req.planned_output >= req.params.max_new_tokens:
+        remaining = req.params.max_new_tokens - req.planned_output
+        if remaining <= 0:
             return None, 0  # its last token is in flight; the commit finishes it by length.
-        return self._plan_decode(req), 0
+        drafts = min(self._config.num_draft_tokens, remaining - 1)  # a run never outgrows max_new_tokens
+        return (self._plan_decode(req, drafts), 1 + drafts, 0), 0
 
-    def _plan_decode(self, req: Request) -> StepEntry:
+    def _plan_decode(self, req: Request, drafts: int) -> StepEntry:
         assert req.slot is not None
-        # The input is the newest output token; it sits at position prompt + planned_output - 1.
-        start = req.num_prompt + req.planned_output - 1
-        self._grow(req, start + 1)
-        unknown = req.planned_output > len(req.output_ids)
-        entry = StepEntry(
+        # The input is the newest output token (under overlap the in-flight step is still producing it): it sits
+        # at position prompt + planned_output - 1 at the latest, and the step writes it and its draft positions.
+        self._grow(req, req.num_prompt + req.planned_output + drafts)
+        # The run that ends with that token: the in-flight step's (it begins at the committed count, since the
+        # step before it has been committed), or the last committed one.
+        builds_on = len(req.output_ids) if req.inflight_steps else req.last_run_start
+        return StepEntry(
             request_id=req.request_id,
             slot=req.slot,
-            ordinal=req.planned_output,
-            start_pos=start,
-            input_ids=() if unknown else (req.output_ids[-1],),
-            input_ref=unknown,
-            page_table=tuple(req.pages),
-            sample=True,
+            ordinal=builds_on,
+            input_ref=True,
+            num_draft=drafts,
+            new_pages=self._new_pages(req),
             constrained=req.constraint is not None,
         )
-        req.planned_output += 1
-        return entry
 
-    def _plan_chunk(self, req: Request, budget: int) -> tuple[StepEntry, int]:
+    def _plan_chunk(self, req: Request, budget: int) -> tuple[tuple[StepEntry, int, int], int]:
         assert req.slot is not None
         n = min(req.num_prompt - req.prefill_pos, budget)
         start = req.prefill_pos
         final = start + n == req.num_prompt
         self._grow(req, start + n)
+        new = None if req.sent_new else NewRequest(req.prompt_ids, req.params, req.seed, cached_len=req.cached_tokens)
         entry = StepEntry(
             request_id=req.request_id,
             slot=req.slot,
             ordinal=0,
-            start_pos=start,
             input_ids=req.prompt_ids[start : start + n],
-            input_ref=False,
-            page_table=tuple(req.pages),
             sample=final,
+            new_pages=self._new_pages(req),
+            new=new,
             constrained=final and req.constraint is not None,
-            new=None if req.sent_new else NewRequest(req.prompt_ids, req.params, req.seed),
         )
         req.sent_new = True
         req.prefill_pos += n
         self._prefill_tokens += n
         if final:
             req.transition(RequestState.DECODING)
-            req.planned_output = 1
-        return entry, n
+        return (entry, int(final), start + n), n
+
+    def _new_pages(self, req: Request) -> tuple[int, ...]:
+        """The pages the executor has not been sent yet (the persistent batch: each page travels once)."""
+        pages = tuple(req.pages[req.sent_pages :])
+        req.sent_pages = len(req.pages)
+        return pages
 
     def _admit(self, req: Request) -> bool:
         """Reserve every page ``req`` can need, or leave everything as it was and return False."""
@@ -255,69 +306,78 @@ class Scheduler:
 
     # ---------------------------------------------------------------- commit (C1)
 
-    def commit(self, result: StepResult) -> CommitOutcome:
-        """The single commit step: the only place where output and the KV watermark move (C1)."""
-        if not self._inflight or self._inflight[0].step_id != result.step_id:
-            oldest = self._inflight[0].step_id if self._inflight else None
+    def commit(self, result: StepResult) -> PendingCommit:
+        """Phase 1 of the single commit step (C1): check ``result`` against its plan and cut each run at the token
+        that finishes its request. Returns the grammar entries to commit; :meth:`finish_commit` does the rest."""
+        if not self._inflight or self._inflight[0].plan.step_id != result.step_id:
+            oldest = self._inflight[0].plan.step_id if self._inflight else None
             raise ProtocolError(f"result for step {result.step_id} out of order: oldest in flight is {oldest}")
-        plan = self._inflight.popleft()
+        inflight = self._inflight.popleft()
         outcome = CommitOutcome()
-        live: list[tuple[Request, SampledToken]] = []
-        for entry, sample in _pair(plan, result):
+        cuts: list[_Cut] = []
+        for entry, planned, chunk_end, run in _pair(inflight, result):
             req = self._requests[entry.request_id]
             req.inflight_steps -= 1
+            req.inflight_output -= planned
             if req.finishing:
                 continue  # C6, C7: nothing of this result reaches output, grammar, watermark or stream.
-            req.kv_committed = entry.end_pos
-            if sample is None:
+            if run is None:
+                req.kv_committed = chunk_end  # a middle chunk: its KV is written, nothing was sampled
                 continue
-            if sample.error is not None:  # the executor could not sample this row (no fenced mask): end it alone
-                outcome.extend(self._finish_now(req, _grammar_abort(sample.error)))
+            if run.error is not None:  # the executor could not sample this row (no fenced mask): end it alone
+                outcome.extend(self._finish_now(req, _grammar_abort(run.error)))
                 continue
-            live.append((req, sample))
-        refused = self._commit_grammar(live)
-        for req, sample in live:
-            if req.request_id in refused:
-                outcome.extend(self._finish_now(req, refused[req.request_id]))  # C13: only this request ends
-            else:
-                outcome.outputs.append(self._append(req, sample))
-        outcome.extend(self._release_retired(plan))
-        self._flush_grammar_releases()
+            if run.ordinal != len(req.output_ids):
+                raise ProtocolError(
+                    f"request {req.request_id}: run at ordinal {run.ordinal}, committed {len(req.output_ids)} (C2)"
+                )
+            cuts.append(_cut(req, run))
+        grammar = [
+            CommitEntry(c.req.request_id, len(c.req.output_ids), c.kept) for c in cuts if c.req.constraint is not None
+        ]
+        return PendingCommit(grammar, outcome, inflight, cuts)
+
+    def finish_commit(self, pending: PendingCommit, grammar: Sequence[GrammarCommitOutcome]) -> CommitOutcome:
+        """Phase 2: ``grammar`` answers ``pending.grammar`` in order. A run the grammar ended early is cut there
+        (C6); a token it refused ends that request alone, with an abort naming the grammar (C13)."""
+        if len(grammar) != len(pending.grammar):
+            raise ProtocolError(f"{len(pending.grammar)} grammar commits, {len(grammar)} answers")
+        answers = iter(grammar)
+        outcome = pending.outcome
+        for cut in pending._cuts:
+            if cut.req.constraint is not None:
+                _apply_grammar(cut, next(answers))
+            outcome.extend(self._append(cut))
+        outcome.extend(self._release_retired(pending._inflight.plan))
         return outcome
 
-    def _commit_grammar(self, live: list[tuple[Request, SampledToken]]) -> dict[str, Finish]:
-        """Commit this step's tokens of constrained requests to their grammars, in one batched call (C1, C2).
-
-        Returns the requests whose token the grammar refused, with the abort that ends them (C13). A request whose
-        grammar terminated keeps its token and is finished by :meth:`_append` (C6)."""
-        constrained = [(req, sample) for req, sample in live if req.constraint is not None]
-        if not constrained or self._grammar is None:
-            return {}
-        entries = [CommitEntry(req.request_id, len(req.output_ids), (s.token_id,)) for req, s in constrained]
-        refused: dict[str, Finish] = {}
-        for (req, sample), got in zip(constrained, self._grammar.commit(entries), strict=True):
-            if got.result is None:
-                code = got.refusal.value if got.refusal is not None else "error"
-                refused[req.request_id] = _grammar_abort(f"grammar commit refused ({code}): {got.message}")
-            elif got.result.rejected_token is not None:
-                named = req.constraint.describe() if req.constraint is not None else "unknown"
-                refused[req.request_id] = _grammar_abort(
-                    f"the grammar refused token {sample.token_id} at output position {len(req.output_ids)} "
-                    f"(constraint: {named})"
-                )
-            elif got.result.terminated:
-                req.grammar_terminated = True
-        return refused
+    def _append(self, cut: _Cut) -> CommitOutcome:
+        req, kept = cut.req, cut.kept
+        committed = len(req.output_ids)
+        req.output_ids.extend(kept)
+        req.last_run_start = committed
+        # C11: the step wrote KV up to its input, which precedes the run's last kept token.
+        req.kv_committed = max(req.kv_committed, req.num_prompt + committed + len(kept) - 1)
+        logprobs = _logprobs(req, cut.run, len(kept))
+        text = "".join(cut.deltas[: len(kept)])
+        if cut.finish is None:
+            return CommitOutcome(outputs=[self._output(req, kept, text, logprobs)])
+        if cut.trim_tokens:
+            del req.output_ids[-cut.trim_tokens :]
+        outcome = self._finish_now(req, cut.finish, kept, text, logprobs)
+        return outcome
 
     def fail_step(self, step_id: int, message: str, cause: AbortCause = AbortCause.EXECUTOR) -> CommitOutcome:
         """The executor could not run ``step_id``: every request it named ends with an abort saying why."""
-        if not self._inflight or self._inflight[0].step_id != step_id:
+        if not self._inflight or self._inflight[0].plan.step_id != step_id:
             raise ProtocolError(f"failed step {step_id} is not the oldest in flight")
-        plan = self._inflight.popleft()
+        inflight = self._inflight.popleft()
+        plan = inflight.plan
         outcome = CommitOutcome()
-        for entry in plan.entries:
+        for entry, planned in zip(plan.entries, inflight.planned, strict=True):
             req = self._requests[entry.request_id]
             req.inflight_steps -= 1
+            req.inflight_output -= planned
             if not req.finishing:
                 outcome.extend(self._finish_now(req, Finish(FinishReason.ABORT, message=message, cause=cause)))
         outcome.extend(self._release_retired(plan))
@@ -336,7 +396,7 @@ class Scheduler:
         self._kv_lost = True
         try:
             while self._inflight:
-                outputs.extend(self.fail_step(self._inflight[0].step_id, message).outputs)
+                outputs.extend(self.fail_step(self._inflight[0].plan.step_id, message).outputs)
             for req in list(self._requests.values()):
                 # A queued request holds nothing of the executor's: it waits and runs on the next session.
                 if req.state is not RequestState.QUEUED and not req.finishing:
@@ -347,45 +407,24 @@ class Scheduler:
             self.cache.evict(self.cache.num_evictable)
         return CommitOutcome(outputs=outputs)
 
-    def _append(self, req: Request, sample: SampledToken) -> RequestOutput:
-        if sample.ordinal != len(req.output_ids):
-            raise ProtocolError(
-                f"request {req.request_id}: result at ordinal {sample.ordinal}, committed {len(req.output_ids)}"
-            )
-        req.output_ids.append(sample.token_id)
-        update = req.stop_checker.append(sample.token_id)
-        if update.finish is None and req.grammar_terminated:
-            # C6: the grammar is complete; nothing after this token may be kept.
-            update = StopUpdate(update.text_delta, Finish(FinishReason.STOP, matched_token=sample.token_id), 0)
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if (req.params.logprobs or req.params.top_logprobs) and sample.logprob is not None:
-            logprobs = (TokenLogprob(sample.token_id, sample.logprob, sample.top_logprobs or ()),)
-        if update.finish is None:
-            return self._output(req, (sample.token_id,), update.text_delta, logprobs)
-        if update.trim_tokens:
-            del req.output_ids[-update.trim_tokens :]
-        self._decide_finish(req, update.finish)
-        return self._output(req, (sample.token_id,), update.text_delta, logprobs)
-
     # ---------------------------------------------------------------- finish and release (C9)
 
-    def _decide_finish(self, req: Request, finish: Finish) -> None:
+    def _finish_now(
+        self,
+        req: Request,
+        finish: Finish,
+        new_ids: tuple[int, ...] = (),
+        text: str = "",
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> CommitOutcome:
+        """Decide ``req``'s finish; its last output carries ``new_ids``. Its grammar is released at once, not after
+        the in-flight step retires: a mask request of that step waiting at the fence for a commit that will never
+        come is then refused at once instead of stalling the step (C3)."""
         req.finish = finish
         req.transition(RequestState.FINISHING)
+        outcome = CommitOutcome(outputs=[self._output(req, new_ids, text, logprobs)])
         if req.constraint is not None:
-            # Released at once, not after the in-flight step retires: a mask request of that step waiting at the
-            # fence for a commit that will never come is then refused at once instead of stalling the step (C3).
-            self._grammar_releases.append(req.request_id)
-
-    def _flush_grammar_releases(self) -> None:
-        if self._grammar_releases and self._grammar is not None:
-            self._grammar.release(self._grammar_releases)
-        self._grammar_releases = []
-
-    def _finish_now(self, req: Request, finish: Finish) -> CommitOutcome:
-        self._decide_finish(req, finish)
-        self._flush_grammar_releases()
-        outcome = CommitOutcome(outputs=[self._output(req, (), "", ())])
+            outcome.released_grammars.append(req.request_id)
         if req.inflight_steps == 0:
             outcome.released_slots.extend(self._release(req))
         return outcome
@@ -481,19 +520,70 @@ class Scheduler:
         )
 
 
-def _pair(plan: StepPlan, result: StepResult) -> Iterator[tuple[StepEntry, SampledToken | None]]:
-    """Match each plan entry with its sample (sampling entries only, in plan order)."""
-    samples = iter(result.samples)
-    for entry in plan.entries:
+def _pair(inflight: _Inflight, result: StepResult) -> Iterator[tuple[StepEntry, int, int, SampledRun | None]]:
+    """Match each plan entry with its run (sampling entries only, in plan order)."""
+    plan = inflight.plan
+    runs = iter(result.runs)
+    for entry, planned, chunk_end in zip(plan.entries, inflight.planned, inflight.chunk_ends, strict=True):
         if not entry.sample:
-            yield entry, None
+            yield entry, planned, chunk_end, None
             continue
-        sample = next(samples, None)
-        if sample is None or sample.request_id != entry.request_id or sample.ordinal != entry.ordinal:
+        run = next(runs, None)
+        if run is None or run.request_id != entry.request_id:
             raise ProtocolError(f"step {plan.step_id}: result does not match the plan at {entry.request_id}")
-        yield entry, sample
-    if next(samples, None) is not None:
-        raise ProtocolError(f"step {plan.step_id}: result has more samples than the plan")
+        if run.error is None and not 1 <= len(run.token_ids) <= planned:
+            raise ProtocolError(
+                f"step {plan.step_id}: {entry.request_id} produced {len(run.token_ids)} tokens, the plan allowed "
+                f"1 to {planned}"
+            )
+        yield entry, planned, chunk_end, run
+    if next(runs, None) is not None:
+        raise ProtocolError(f"step {plan.step_id}: result has more runs than the plan has sampling entries")
+
+
+def _cut(req: Request, run: SampledRun) -> _Cut:
+    """Feed the run to the stop checker token by token and keep it up to the token that finishes the request."""
+    deltas: list[str] = []
+    for i, token in enumerate(run.token_ids):
+        update = req.stop_checker.append(token)
+        deltas.append(update.text_delta)
+        if update.finish is not None:
+            return _Cut(req, run, run.token_ids[: i + 1], deltas, update.finish, update.trim_tokens)
+    return _Cut(req, run, run.token_ids, deltas, None, 0)
+
+
+def _apply_grammar(cut: _Cut, answer: GrammarCommitOutcome) -> None:
+    """Cut a constrained run where its grammar stopped taking it (C6) or make it end the request (C13)."""
+    req = cut.req
+    if answer.result is None:
+        code = answer.refusal.value if answer.refusal is not None else "error"
+        cut.kept, cut.finish = (), _grammar_abort(f"grammar commit refused ({code}): {answer.message}")
+        cut.trim_tokens = 0
+        return
+    accepted = answer.result.accepted
+    if answer.result.rejected_token is not None:
+        named = req.constraint.describe() if req.constraint is not None else "unknown"
+        position = len(req.output_ids) + accepted
+        cut.kept, cut.trim_tokens = cut.kept[:accepted], 0
+        cut.finish = _grammar_abort(
+            f"the grammar refused token {answer.result.rejected_token} at output position {position} "
+            f"(constraint: {named})"
+        )
+    elif answer.result.terminated:
+        req.grammar_terminated = True
+        if accepted < len(cut.kept) or cut.finish is None:
+            # C6: the grammar is complete; nothing after its last token may be kept.
+            cut.kept, cut.trim_tokens = cut.kept[:accepted], 0
+            cut.finish = Finish(FinishReason.STOP, matched_token=cut.kept[-1])
+
+
+def _logprobs(req: Request, run: SampledRun, count: int) -> tuple[TokenLogprob, ...]:
+    if not (req.params.logprobs or req.params.top_logprobs) or run.logprobs is None:
+        return ()
+    tops = run.top_logprobs or ((),) * len(run.token_ids)
+    return tuple(
+        TokenLogprob(token, lp, top) for token, lp, top in zip(run.token_ids[:count], run.logprobs, tops, strict=False)
+    )
 
 
 def _grammar_abort(message: str) -> Finish:

@@ -75,38 +75,40 @@ class LogitBias(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("prompt_ids", "params", "seed")
+    __slots__ = ("prompt_ids", "params", "seed", "cached_len")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     seed: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    cached_len: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cached_len: _Optional[int] = ...) -> None: ...
 
 class StepEntry(_message.Message):
-    __slots__ = ("request_id", "slot", "ordinal", "start_pos", "input_ids", "input_ref", "page_table", "sample", "new", "constrained")
+    __slots__ = ("request_id", "slot", "ordinal", "input_ids", "input_ref", "num_draft", "sample", "new_pages", "new", "constrained")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
-    START_POS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     INPUT_REF_FIELD_NUMBER: _ClassVar[int]
-    PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
     NEW_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     slot: int
     ordinal: int
-    start_pos: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     input_ref: bool
-    page_table: _containers.RepeatedScalarFieldContainer[int]
+    num_draft: int
     sample: bool
+    new_pages: _containers.RepeatedScalarFieldContainer[int]
     new: NewRequest
     constrained: bool
-    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., ordinal: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., input_ref: _Optional[bool] = ..., page_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., new: _Optional[_Union[NewRequest, _Mapping]] = ..., constrained: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., ordinal: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., input_ref: _Optional[bool] = ..., num_draft: _Optional[int] = ..., sample: _Optional[bool] = ..., new_pages: _Optional[_Iterable[int]] = ..., new: _Optional[_Union[NewRequest, _Mapping]] = ..., constrained: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "entries")
@@ -138,33 +140,59 @@ class TopLogprob(_message.Message):
     logprob: float
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
-class SampledToken(_message.Message):
-    __slots__ = ("request_id", "ordinal", "token_id", "logprob", "top_logprobs", "has_top_logprobs", "error")
+class TopLogprobs(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, entries: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class SampledRun(_message.Message):
+    __slots__ = ("request_id", "ordinal", "token_ids", "num_drafted", "num_accepted", "logprobs", "has_logprobs", "top_logprobs", "has_top_logprobs", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ordinal: int
-    token_id: int
-    logprob: float
-    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_drafted: int
+    num_accepted: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    has_logprobs: bool
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     has_top_logprobs: bool
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., ordinal: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., has_top_logprobs: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., ordinal: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., has_top_logprobs: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StepTiming(_message.Message):
+    __slots__ = ("masks_started", "forward_started", "forward_done", "done", "forward_cpu")
+    MASKS_STARTED_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_STARTED_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_DONE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_CPU_FIELD_NUMBER: _ClassVar[int]
+    masks_started: float
+    forward_started: float
+    forward_done: float
+    done: float
+    forward_cpu: float
+    def __init__(self, masks_started: _Optional[float] = ..., forward_started: _Optional[float] = ..., forward_done: _Optional[float] = ..., done: _Optional[float] = ..., forward_cpu: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "samples", "forward_seconds")
+    __slots__ = ("step_id", "runs", "timing")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLES_FIELD_NUMBER: _ClassVar[int]
-    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    samples: _containers.RepeatedCompositeFieldContainer[SampledToken]
-    forward_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    runs: _containers.RepeatedCompositeFieldContainer[SampledRun]
+    timing: StepTiming
+    def __init__(self, step_id: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[SampledRun, _Mapping]]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ...) -> None: ...
 
 class ReleaseDone(_message.Message):
     __slots__ = ("slots",)

@@ -155,9 +155,12 @@ def final_chunk(request_id: str) -> StepMatch:
 
 
 def decode(request_id: str, ordinal: int | None = None) -> StepMatch:
-    """A decode step of ``request_id`` (it samples output token ``ordinal``, any when None)."""
+    """A decode step of ``request_id`` that samples output token ``ordinal`` (any decode when None).
+
+    Plain decoding produces one token per step, so the decode sampling ordinal ``o`` is the one that builds on
+    the run at ordinal ``o - 1`` (the entry names the run its pending input ends, engine/step.py)."""
     what = f"a decode step of {request_id}" + ("" if ordinal is None else f" at ordinal {ordinal}")
-    return _entry_match(what, request_id, lambda e: e.ordinal >= 1 and (ordinal is None or e.ordinal == ordinal))
+    return _entry_match(what, request_id, lambda e: e.input_ref and (ordinal is None or e.ordinal + 1 == ordinal))
 
 
 def as_predicate(selector: StepSelector) -> StepPredicate:

@@ -187,7 +187,7 @@ class ExecutorMetrics:
         )
 
     def step_executed(self, seconds: float, num_tokens: int, num_samples: int) -> None:
-        """Record one executed step: ``seconds`` is ``StepResult.forward_seconds``."""
+        """Record one executed step: ``seconds`` is the executor's time for it (``StepTiming.done``)."""
         self._step.observe(seconds)
         self._tokens.inc(num_tokens)
         self._samples.inc(num_samples)
@@ -198,7 +198,7 @@ class ExecutorMetrics:
         def done(f: Future[StepResult]) -> None:
             if not f.cancelled() and f.exception() is None:
                 result = f.result()
-                self.step_executed(result.forward_seconds, plan.num_tokens, len(result.samples))
+                self.step_executed(result.timing.done, plan.num_tokens, sum(len(r.token_ids) for r in result.runs))
 
         future.add_done_callback(done)
 

@@ -16,7 +16,6 @@ import torch
 
 from engine.grammar.backend import FencingBackend, GrammarBackend, MaskWait
 from engine.grammar.registry import MaskEntry, MaskRefusals
-from engine.step import StepEntry
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
 
@@ -78,17 +77,18 @@ class MaskFetcher:
         self._wait_s = wait_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-masks")
 
-    def start(self, sampling: Sequence[StepEntry]) -> PendingMasks | None:
-        """``sampling``: the step's sampling entries in row order. None when none is constrained."""
-        rows = [i for i, entry in enumerate(sampling) if entry.constrained]
-        if not rows:
+    def start(self, constrained: Sequence[tuple[int, str, int]], num_rows: int) -> PendingMasks | None:
+        """``constrained``: (sampling row, request id, ordinal) of each constrained row of a step with ``num_rows``
+        sampling rows; the ordinal is the request's, as the executor knows it. None when no row is constrained."""
+        if not constrained:
             return None
-        entries = [MaskEntry(sampling[i].request_id, sampling[i].ordinal) for i in rows]
+        rows = [row for row, _, _ in constrained]
+        entries = [MaskEntry(request_id, ordinal) for _, request_id, ordinal in constrained]
         # Rows without a grammar allow everything; the fetch writes each constrained row in place, where the
         # sampler reads it, so no per-row answer is built or copied.
         # A normal tensor even when the runner steps under inference mode: the fetch thread writes it in place.
         with torch.inference_mode(False):
-            bitmask = torch.full((len(sampling), self._words), ALL_ALLOWED, dtype=torch.int32)  # [B, W]
+            bitmask = torch.full((num_rows, self._words), ALL_ALLOWED, dtype=torch.int32)  # [B, W]
         wait: MaskWait
         if self._fencing is not None:
             wait = self._fencing.start_masks(entries, self._wait_s, bitmask, rows)

@@ -4,14 +4,14 @@ Every field of the step values round-trips exactly, with two deliberate exceptio
 ``no_stop_trim``) are matched by the scheduler on text and do not travel, and seeds travel as 64-bit
 patterns (the sampler uses only a seed's low 64 bits, so a seed outside the signed 64-bit range comes back
 as the equal-in-effect value inside it). Proto3 defaults are not semantic defaults: fields whose "unset"
-differs from zero (seed, logprob, top logprobs, the new-request part of an entry, a sample's error) use presence.
+differs from zero (seed, logprobs, top logprobs, the new-request part of an entry, a run's error) use presence.
 """
 
 from __future__ import annotations
 
 from engine.runner import ModelInfo
 from engine.sampling_params import SamplingParams
-from engine.step import NewRequest, SampledToken, StepEntry, StepPlan, StepResult
+from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult, StepTiming
 from protos import executor_pb2 as pb
 
 _U64 = 1 << 64
@@ -106,11 +106,21 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def new_request_to_proto(new: NewRequest) -> pb.NewRequest:
-    return pb.NewRequest(prompt_ids=new.prompt_ids, params=params_to_proto(new.params), seed=wrap_int64(new.seed))
+    return pb.NewRequest(
+        prompt_ids=new.prompt_ids,
+        params=params_to_proto(new.params),
+        seed=wrap_int64(new.seed),
+        cached_len=new.cached_len,
+    )
 
 
 def new_request_from_proto(msg: pb.NewRequest) -> NewRequest:
-    return NewRequest(prompt_ids=tuple(msg.prompt_ids), params=params_from_proto(msg.params), seed=msg.seed)
+    return NewRequest(
+        prompt_ids=tuple(msg.prompt_ids),
+        params=params_from_proto(msg.params),
+        seed=msg.seed,
+        cached_len=msg.cached_len,
+    )
 
 
 def entry_to_proto(entry: StepEntry) -> pb.StepEntry:
@@ -118,11 +128,11 @@ def entry_to_proto(entry: StepEntry) -> pb.StepEntry:
         request_id=entry.request_id,
         slot=entry.slot,
         ordinal=entry.ordinal,
-        start_pos=entry.start_pos,
         input_ids=entry.input_ids,
         input_ref=entry.input_ref,
-        page_table=entry.page_table,
+        num_draft=entry.num_draft,
         sample=entry.sample,
+        new_pages=entry.new_pages,
         constrained=entry.constrained,
     )
     if entry.new is not None:
@@ -135,11 +145,11 @@ def entry_from_proto(msg: pb.StepEntry) -> StepEntry:
         request_id=msg.request_id,
         slot=msg.slot,
         ordinal=msg.ordinal,
-        start_pos=msg.start_pos,
         input_ids=tuple(msg.input_ids),
         input_ref=msg.input_ref,
-        page_table=tuple(msg.page_table),
+        num_draft=msg.num_draft,
         sample=msg.sample,
+        new_pages=tuple(msg.new_pages),
         new=new_request_from_proto(msg.new) if msg.HasField("new") else None,
         constrained=msg.constrained,
     )
@@ -156,41 +166,77 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
 # ---------------------------------------------------------------- step results
 
 
-def sample_to_proto(sample: SampledToken) -> pb.SampledToken:
-    msg = pb.SampledToken(request_id=sample.request_id, ordinal=sample.ordinal, token_id=sample.token_id)
-    if sample.logprob is not None:
-        msg.logprob = sample.logprob
-    if sample.top_logprobs is not None:
+def run_to_proto(run: SampledRun) -> pb.SampledRun:
+    msg = pb.SampledRun(
+        request_id=run.request_id,
+        ordinal=run.ordinal,
+        token_ids=run.token_ids,
+        num_drafted=run.num_drafted,
+        num_accepted=run.num_accepted,
+    )
+    if run.logprobs is not None:
+        msg.has_logprobs = True
+        msg.logprobs.extend(run.logprobs)
+    if run.top_logprobs is not None:
         msg.has_top_logprobs = True
-        msg.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in sample.top_logprobs)
-    if sample.error is not None:
-        msg.error = sample.error
+        for top in run.top_logprobs:
+            msg.top_logprobs.add().entries.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top)
+    if run.error is not None:
+        msg.error = run.error
     return msg
 
 
-def sample_from_proto(msg: pb.SampledToken) -> SampledToken:
-    top = tuple((t.token_id, t.logprob) for t in msg.top_logprobs) if msg.has_top_logprobs else None
-    return SampledToken(
+def run_from_proto(msg: pb.SampledRun) -> SampledRun:
+    top = (
+        tuple(tuple((t.token_id, t.logprob) for t in row.entries) for row in msg.top_logprobs)
+        if msg.has_top_logprobs
+        else None
+    )
+    return SampledRun(
         request_id=msg.request_id,
         ordinal=msg.ordinal,
-        token_id=msg.token_id,
-        logprob=msg.logprob if msg.HasField("logprob") else None,
+        token_ids=tuple(msg.token_ids),
+        num_drafted=msg.num_drafted,
+        num_accepted=msg.num_accepted,
+        logprobs=tuple(msg.logprobs) if msg.has_logprobs else None,
         top_logprobs=top,
         error=msg.error if msg.HasField("error") else None,
+    )
+
+
+def timing_to_proto(timing: StepTiming) -> pb.StepTiming:
+    msg = pb.StepTiming(
+        forward_started=timing.forward_started,
+        forward_done=timing.forward_done,
+        done=timing.done,
+        forward_cpu=timing.forward_cpu,
+    )
+    if timing.masks_started is not None:
+        msg.masks_started = timing.masks_started
+    return msg
+
+
+def timing_from_proto(msg: pb.StepTiming) -> StepTiming:
+    return StepTiming(
+        masks_started=msg.masks_started if msg.HasField("masks_started") else None,
+        forward_started=msg.forward_started,
+        forward_done=msg.forward_done,
+        done=msg.done,
+        forward_cpu=msg.forward_cpu,
     )
 
 
 def result_to_proto(result: StepResult) -> pb.StepResult:
     return pb.StepResult(
         step_id=result.step_id,
-        samples=[sample_to_proto(s) for s in result.samples],
-        forward_seconds=result.forward_seconds,
+        runs=[run_to_proto(r) for r in result.runs],
+        timing=timing_to_proto(result.timing),
     )
 
 
 def result_from_proto(msg: pb.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id,
-        samples=tuple(sample_from_proto(s) for s in msg.samples),
-        forward_seconds=msg.forward_seconds,
+        runs=tuple(run_from_proto(r) for r in msg.runs),
+        timing=timing_from_proto(msg.timing),
     )

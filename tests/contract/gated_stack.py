@@ -284,7 +284,12 @@ def mark_abort(engine: Engine, gate: StepGate, rid: str) -> AbortMark:
     live = engine.abort(rid)
     last = engine.stats().steps
     sampled = frozenset(
-        e.ordinal for s in gate.returned_steps() for e in s.plan.entries if e.request_id == rid and e.sample
+        o
+        for s in gate.returned_steps()
+        if s.result is not None
+        for run in s.result.runs
+        if run.request_id == rid
+        for o in range(run.ordinal, run.end_ordinal)
     )
     return AbortMark(rid, live, last, sampled)
 

@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.errors import ExecutorUnavailableError, ProtocolError
 from engine.runner import ModelInfo, ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.step import NewRequest, SampledToken, StepEntry, StepPlan, StepResult
+from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult, StepTiming
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
@@ -122,17 +122,21 @@ def peer(stub: pb_grpc.ExecutorStub) -> Iterator[Peer]:
     p.close()
 
 
-def _new(rid: str, slot: int, pages: tuple[int, ...], sample: bool = True, **params: Any) -> StepEntry:
-    """A request's first entry: the whole prompt."""
+def _new(rid: str, slot: int, pages: tuple[int, ...], chunk: tuple[int, ...] = PROMPT, **params: Any) -> StepEntry:
+    """A request's first entry: the whole prompt (or its first ``chunk``), with its first pages."""
     sampling = SamplingParams(temperature=0.0, max_new_tokens=8, **params)
     new = NewRequest(PROMPT, sampling, seed=0)
-    return StepEntry(rid, slot, 0, 0, PROMPT, False, pages, sample, new)
+    return StepEntry(rid, slot, 0, input_ids=chunk, sample=len(chunk) == len(PROMPT), new_pages=pages, new=new)
 
 
-def _decode(rid: str, slot: int, ordinal: int, pages: tuple[int, ...], token: int | None = None) -> StepEntry:
-    """A decode entry after ``ordinal`` samples: its input is ``token``, or a reference to the last sample."""
-    ids = () if token is None else (token,)
-    return StepEntry(rid, slot, ordinal, len(PROMPT) + ordinal - 1, ids, token is None, pages, True)
+def _decode(rid: str, slot: int, ordinal: int, pages: tuple[int, ...] = ()) -> StepEntry:
+    """A decode of the token the slot produced last, building on the run at ``ordinal`` (plain decoding: the
+    run is that one token, so the decode samples ordinal ``ordinal + 1``)."""
+    return StepEntry(rid, slot, ordinal, input_ref=True, new_pages=pages)
+
+
+def _runs(result: pb.StepResult) -> list[tuple[str, int, int]]:
+    return [(r.request_id, r.ordinal, len(r.token_ids)) for r in result.runs]
 
 
 def _state(stub: pb_grpc.ExecutorStub) -> pb.ExecutorState:
@@ -150,44 +154,73 @@ def _wait_session_closed(stub: pb_grpc.ExecutorStub) -> pb.ExecutorState:
 # ---------------------------------------------------------------- refusals
 
 
-def test_wrong_ordinal_is_refused_without_a_sample(peer: Peer) -> None:
-    """C2 at the executor. Fails if the ordinal check in `ModelRunner._sample` (`if buf.sampling.num_output !=
-    entry.ordinal: raise ProtocolError`) is removed: step 2 then answers a sample at ordinal 2. Checked once by
-    removing it."""
+def test_a_replayed_or_skipped_ordinal_is_refused_without_a_sample(peer: Peer) -> None:
+    """C2 at the executor, for runs: a decode names the run it builds on, and only the slot's last one will do. A
+    replay (the run before) and a gap (a run not produced) are refused; neither samples, records or writes
+    anything, so the correct decode after them gets exactly the next ordinal.
+
+    Fails if the check in `ModelRunner._input_run` (`if entry.ordinal != buf.run_start`) is weakened to accept an
+    older run (`>`): the replay is then run and answers a run at ordinal 2 built on a stale input, its token recorded
+    in the slot's sampling state as well. Checked once by weakening it."""
     peer.plan(1, _new("a", 0, (0, 1)))
-    assert [(s.request_id, s.ordinal) for s in peer.result().samples] == [("a", 0)]
-    peer.plan(2, _decode("a", 0, 2, (0, 1)))  # the executor has sampled 1 token: ordinal 1 is due
+    assert _runs(peer.result()) == [("a", 0, 1)]
+    peer.plan(2, _decode("a", 0, 0))
+    assert _runs(peer.result()) == [("a", 1, 1)]
+    peer.plan(3, _decode("a", 0, 0))  # a replay: the last run began at ordinal 1
     err = peer.error()
-    assert (err.step_id, err.code) == (2, "protocol") and "ordinal 2" in err.message
-    # the refused step sampled nothing: ordinal 1 is still the one due, and the session goes on
-    peer.plan(3, _decode("a", 0, 1, (0, 1)))
-    assert [(s.request_id, s.ordinal) for s in peer.result().samples] == [("a", 1)]
+    assert (err.step_id, err.code) == (3, "protocol") and "builds on the run at ordinal 0" in err.message
+    peer.plan(4, _decode("a", 0, 2))  # a gap: no run began at ordinal 2 yet
+    err = peer.error()
+    assert (err.step_id, err.code) == (4, "protocol") and "last run began at ordinal 1" in err.message
+    peer.plan(5, _decode("a", 0, 1))
+    assert _runs(peer.result()) == [("a", 2, 1)]
 
 
 def test_input_reference_before_any_sample_is_refused(peer: Peer) -> None:
-    """Fails if `if buf.last_token is None: raise ProtocolError(...)` in `ModelRunner._seq_input` is removed:
-    the reference then reaches the model as None and fails as "internal". Checked once by removing it."""
-    peer.plan(1, _new("a", 0, (0, 1), sample=False))  # a middle chunk: nothing sampled
-    assert list(peer.result().samples) == []
-    peer.plan(2, _decode("a", 0, 0, (0, 1)))
+    """Fails if `if buf.pending is None: raise ProtocolError(...)` in `ModelRunner._input_run` is removed: the
+    reference then reaches the model as None and fails as "internal". Checked once by removing it."""
+    peer.plan(1, _new("a", 0, (0, 1), chunk=PROMPT[:4]))  # a middle chunk: nothing sampled
+    assert list(peer.result().runs) == []
+    peer.plan(2, _decode("a", 0, 0))
     err = peer.error()
     assert (err.step_id, err.code) == (2, "protocol") and "input reference before any sample" in err.message
 
 
+def test_chunks_must_continue_the_prompt_and_a_decode_must_reference_its_input(peer: Peer) -> None:
+    """C10 at the executor: a chunk that repeats or skips part of the prompt is refused, so is a sampling flag
+    on a middle chunk; once the slot has produced a token, literal input (a second prefill) is refused, since
+    the pending token's KV would never be written. Fails if the continuation check in `ModelRunner._input_run` is
+    removed (the replayed chunk then writes the prompt's first tokens at positions 4.. and samples; checked once)."""
+    peer.plan(1, _new("a", 0, (0, 1), chunk=PROMPT[:4]))
+    assert list(peer.result().runs) == []
+    replayed = StepEntry("a", 0, 0, input_ids=PROMPT[:2], sample=True)  # positions 4-5 need PROMPT[4:6]
+    peer.plan(2, replayed)
+    err = peer.error()
+    assert err.code == "protocol" and "not the prompt's continuation at position 4" in err.message
+    peer.plan(3, StepEntry("a", 0, 0, input_ids=PROMPT[4:], sample=False))
+    assert "only the chunk that ends the prompt samples" in peer.error().message
+    peer.plan(4, StepEntry("a", 0, 0, input_ids=PROMPT[4:], sample=True))
+    assert _runs(peer.result()) == [("a", 0, 1)]
+    peer.plan(5, StepEntry("a", 0, 0, input_ids=PROMPT[4:], sample=True))
+    assert "a decode must reference it" in peer.error().message
+
+
 def test_entry_for_a_slot_held_by_another_request_is_refused(peer: Peer) -> None:
-    """Fails if either check of `ModelRunner._buffer_for` is removed (`if buf is not None: raise` for a new
-    request, `if buf is None or buf.request_id != entry.request_id: raise` for a continuing one): "b" would then
-    run on (or replace) the buffer of "a". Checked once for each by removing it."""
+    """Fails if either slot check of the runner is removed (`if held is not None: raise` in `_register` for a new
+    request, `if buf is None or buf.request_id != entry.request_id: raise` in `_resolve_entry` for a continuing
+    one): "b" would then run on (or replace) the buffer of "a". Checked once for each by removing it."""
     peer.plan(1, _new("a", 0, (0, 1)))
-    token = peer.result().samples[0].token_id
-    peer.plan(2, _decode("b", 0, 1, (2, 3), token))
+    peer.result()
+    peer.plan(2, _decode("b", 0, 0, (2, 3)))
     err = peer.error()
     assert (err.step_id, err.code) == (2, "protocol") and "does not hold request b" in err.message
     peer.plan(3, _new("b", 0, (2, 3)))
     err = peer.error()
     assert (err.step_id, err.code) == (3, "protocol") and "still holds request a" in err.message
-    peer.plan(4, _decode("a", 0, 1, (0, 1)))  # "a" is intact
-    assert [(s.request_id, s.ordinal) for s in peer.result().samples] == [("a", 1)]
+    peer.plan(4, _decode("a", 0, 0))  # "a" is intact
+    assert _runs(peer.result()) == [("a", 1, 1)]
+    peer.plan(5, _decode("a", 0, 1), _new("c", 0, (4, 5)))
+    assert "names a slot twice" in peer.error().message
 
 
 def test_release_of_an_empty_slot_is_refused(peer: Peer) -> None:
@@ -210,14 +243,21 @@ def test_malformed_values_are_refused_before_the_model(peer: Peer) -> None:
     peer.plan(1, _new("a", 0, (0, 10_000)))
     err = peer.error()
     assert (err.step_id, err.code) == (1, "protocol") and "page 10000" in err.message
-    peer.plan(2, _new("a", 0, (0,)))  # one page of 4 cannot hold 6 prompt tokens
-    assert peer.error().code == "protocol"
-    peer.plan(3, _new("a", 0, (0, 1), top_k=0))  # invalid sampling params
+    peer.plan(2, _new("a", 0, (0, 1), top_k=0))  # invalid sampling params
     assert "top_k" in peer.error().message
+    peer.plan(3, StepEntry("a", 0, 0, input_ids=(1,), input_ref=True))
+    assert "a decode's input is its reference alone" in peer.error().message
     peer.send(pb.SessionRequest())  # neither a plan nor a release
     assert peer.error().code == "protocol"
-    peer.plan(4, _new("a", 0, (0, 1)))  # the session still works
-    assert len(peer.result().samples) == 1
+    # Refused by the slot's state: the new request is registered all the same (its scheduler releases its slot).
+    peer.plan(4, _new("a", 0, (0,)))  # one page of 4 cannot hold 6 prompt tokens
+    assert "1 pages do not cover positions [0, 6)" in peer.error().message
+    peer.plan(5, replace(_new("b", 1, (2, 3)), num_draft=2))
+    assert "no draft proposer" in peer.error().message
+    peer.release(0, 1)
+    assert list(peer.reply().released.slots) == [0, 1]
+    peer.plan(6, _new("a", 0, (0, 1)))  # the session still works
+    assert len(peer.result().runs) == 1
 
 
 def test_second_concurrent_session_is_refused(stub: pb_grpc.ExecutorStub, target: str, peer: Peer) -> None:
@@ -233,8 +273,40 @@ def test_second_concurrent_session_is_refused(stub: pb_grpc.ExecutorStub, target
     assert "another scheduler session" in (refused.value.details() or "")
     with pytest.raises(ExecutorUnavailableError, match="another scheduler session"):
         RemoteRunner.connect(target, timeout=5)
-    peer.plan(2, _decode("a", 0, 1, (0, 1)))  # the first one goes on
-    assert peer.result().samples[0].ordinal == 1
+    peer.plan(2, _decode("a", 0, 0))  # the first one goes on
+    assert _runs(peer.result()) == [("a", 1, 1)]
+
+
+def test_kv_past_the_accepted_positions_is_never_read(embedded_model_dir: Path) -> None:
+    """C11 at the executor: positions past a slot's accepted length may hold anything (KV of rejected drafts, a
+    page's unused tail); no later step reads them. After every step of one run, every position of the slot's pages
+    past its accepted length is overwritten with a large finite poison; the tokens and every logprob (top 5
+    included) equal those of a clean run. Fails if a decode attends one position too far (`kv_lens` of the decode
+    group one larger in `forward_batch._decode_group`: the poison then changes the logprobs; checked once)."""
+    config = EngineConfig(model_path=str(embedded_model_dir), page_size=PAGE, num_pages=16)
+
+    def run(poison: bool) -> list[tuple[tuple[int, ...], tuple[float, ...] | None, object]]:
+        runner = ModelRunner.load(config)
+        pages = (3, 7, 1)  # 12 positions, not in order
+        seen = []
+        try:
+            plans = [StepPlan(1, (_new("a", 0, pages, logprobs=True, top_logprobs=5),))]
+            plans += [StepPlan(2 + i, (_decode("a", 0, i),)) for i in range(4)]
+            for plan in plans:
+                (r,) = runner.launch(plan).result(WAIT_S).runs
+                seen.append((r.token_ids, r.logprobs, r.top_logprobs))
+                if poison:
+                    accepted = runner._slots[0].seq_len
+                    for layer in range(runner._kv.num_layers):
+                        for pos in range(accepted, len(pages) * PAGE):
+                            slot = pages[pos // PAGE] * PAGE + pos % PAGE
+                            runner._kv.k(layer)[slot] = 1e4
+                            runner._kv.v(layer)[slot] = -1e4
+        finally:
+            runner.shutdown()
+        return seen
+
+    assert run(poison=True) == run(poison=False)
 
 
 # ---------------------------------------------------------------- ordering and session lifetime
@@ -252,23 +324,22 @@ def test_pipelined_steps_run_back_to_back_and_answer_in_order(
     runner.gates[1] = gate
     try:
         peer.plan(1, _new("a", 0, (0, 1)))
-        peer.plan(2, _decode("a", 0, 1, (0, 1)))
+        peer.plan(2, _decode("a", 0, 0))
         assert runner.launched.get(timeout=WAIT_S) == 1
         assert runner.launched.get(timeout=WAIT_S) == 2  # read and launched while step 1 is held
     finally:
         gate.set()
     first, second = peer.result(), peer.result()
     assert (first.step_id, second.step_id) == (1, 2)
-    assert [s.ordinal for s in (*first.samples, *second.samples)] == [0, 1]
+    assert _runs(first) + _runs(second) == [("a", 0, 1), ("a", 1, 1)]
     peer.close()
-    # the reference resolved to step 1's token: the same as a scheduler that sends that token explicitly
-    explicit = Peer(stub)
-    explicit.plan(1, _new("a", 0, (0, 1)))
-    token = explicit.result().samples[0].token_id
-    assert token == first.samples[0].token_id
-    explicit.plan(2, _decode("a", 0, 1, (0, 1), token))
-    assert explicit.result().samples[0].token_id == second.samples[0].token_id
-    explicit.close()
+    # the reference resolved to step 1's token: the same tokens as a scheduler that waits for each step
+    one_by_one = Peer(stub)
+    one_by_one.plan(1, _new("a", 0, (0, 1)))
+    assert list(one_by_one.result().runs[0].token_ids) == list(first.runs[0].token_ids)
+    one_by_one.plan(2, _decode("a", 0, 0))
+    assert list(one_by_one.result().runs[0].token_ids) == list(second.runs[0].token_ids)
+    one_by_one.close()
 
 
 @pytest.mark.parametrize("how", ["close", "cancel"])
@@ -278,7 +349,7 @@ def test_ended_session_drops_every_buffer(stub: pb_grpc.ExecutorStub, how: str) 
     it."""
     peer = Peer(stub)
     peer.plan(1, _new("a", 0, (0, 1)), _new("b", 1, (2, 3)))
-    assert len(peer.result().samples) == 2
+    assert len(peer.result().runs) == 2
     assert _state(stub).buffers == 2 and _state(stub).session_open
     if how == "close":
         peer.close()
@@ -307,9 +378,9 @@ def test_remote_runner_maps_step_errors(target: str) -> None:
     """StepError "protocol" raises ProtocolError from the future; the session stays usable."""
     remote = RemoteRunner.connect(target, timeout=5)
     try:
-        assert remote.launch(StepPlan(1, (_new("a", 0, (0, 1)),))).result(WAIT_S).samples[0].ordinal == 0
+        assert remote.launch(StepPlan(1, (_new("a", 0, (0, 1)),))).result(WAIT_S).runs[0].ordinal == 0
         with pytest.raises(ProtocolError, match="ordinal 2"):
-            remote.launch(StepPlan(2, (_decode("a", 0, 2, (0, 1)),))).result(WAIT_S)
+            remote.launch(StepPlan(2, (_decode("a", 0, 2),))).result(WAIT_S)
         with pytest.raises(ProtocolError, match="slot 9"):
             remote.release([9]).result(WAIT_S)
         assert remote.release([0]).result(WAIT_S) is None
@@ -348,28 +419,38 @@ def _params(draw: st.DrawFn) -> SamplingParams:
 
 @st.composite
 def _entries(draw: st.DrawFn) -> StepEntry:
-    new = draw(st.none() | st.builds(NewRequest, st.lists(_u32, max_size=4).map(tuple), _params(), _i64))
+    new = draw(st.none() | st.builds(NewRequest, st.lists(_u32, max_size=4).map(tuple), _params(), _i64, _u32))
     return StepEntry(
         request_id=draw(st.text(max_size=8)),
         slot=draw(_u32),
         ordinal=draw(_u32),
-        start_pos=draw(_u32),
         input_ids=tuple(draw(st.lists(_u32, max_size=4))),
         input_ref=draw(st.booleans()),
-        page_table=tuple(draw(st.lists(_u32, max_size=4))),
+        num_draft=draw(_u32),
         sample=draw(st.booleans()),
+        new_pages=tuple(draw(st.lists(_u32, max_size=4))),
         new=new,
+        constrained=draw(st.booleans()),
     )
 
 
-_samples = st.builds(
-    SampledToken,
-    st.text(max_size=8),
-    _u32,
-    _u32,
-    st.none() | _f,
-    st.none() | st.lists(st.tuples(_u32, _f), max_size=3).map(tuple),
-)
+@st.composite
+def _runs_of(draw: st.DrawFn) -> SampledRun:
+    tokens = tuple(draw(st.lists(_u32, max_size=3)))
+    with_lp = draw(st.booleans())
+    with_top = draw(st.booleans())
+    return SampledRun(
+        request_id=draw(st.text(max_size=8)),
+        ordinal=draw(_u32),
+        token_ids=tokens,
+        num_drafted=draw(_u32),
+        num_accepted=draw(_u32),
+        logprobs=tuple(draw(_f) for _ in tokens) if with_lp else None,
+        top_logprobs=tuple(tuple(draw(st.lists(st.tuples(_u32, _f), max_size=2))) for _ in tokens)
+        if with_top
+        else None,
+        error=draw(st.none() | st.text(max_size=8)),
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -380,22 +461,25 @@ def test_step_plan_round_trips_exactly(step_id: int, entries: list[StepEntry]) -
     assert convert.plan_from_proto(wire) == plan
 
 
+_timings = st.builds(StepTiming, st.none() | _f, _f, _f, _f, _f)
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**64 - 1), st.lists(_samples, max_size=3), _f)
-def test_step_result_round_trips_exactly(step_id: int, samples: list[SampledToken], seconds: float) -> None:
-    result = StepResult(step_id, tuple(samples), seconds)
+@given(st.integers(0, 2**64 - 1), st.lists(_runs_of(), max_size=3), _timings)
+def test_step_result_round_trips_exactly(step_id: int, runs: list[SampledRun], timing: StepTiming) -> None:
+    result = StepResult(step_id, tuple(runs), timing)
     wire = pb.StepResult.FromString(convert.result_to_proto(result).SerializeToString())
     assert convert.result_from_proto(wire) == result
 
 
 def test_unset_is_not_zero() -> None:
-    """Presence survives: seed None vs 0, logprob None vs 0.0, no top logprobs vs an empty list, no `new`."""
+    """Presence survives: seed None vs 0, logprobs None vs none, no top logprobs vs empty ones, no `new`."""
     for seed in (None, 0):
         params = SamplingParams(seed=seed)
         assert convert.params_from_proto(convert.params_to_proto(params)).seed == seed
-    for logprob, top in ((None, None), (0.0, ())):
-        sample = SampledToken("r", 0, 1, logprob, top)
-        assert convert.sample_from_proto(convert.sample_to_proto(sample)) == sample
+    for logprobs, top in ((None, None), ((), ())):
+        run = SampledRun("r", 0, (), logprobs=logprobs, top_logprobs=top)
+        assert convert.run_from_proto(convert.run_to_proto(run)) == run
     entry = replace(_new("a", 0, (0, 1)), new=None)
     assert convert.entry_from_proto(convert.entry_to_proto(entry)).new is None
 

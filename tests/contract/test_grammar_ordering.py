@@ -34,8 +34,9 @@ from engine.model.tokenizer import Tokenizer
 from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.scheduler import CommitOutcome as SchedulerOutcome
 from engine.scheduler import Scheduler
-from engine.step import SampledToken, StepPlan, StepResult
+from engine.step import SampledRun, StepPlan, StepResult
 from engine.stop import AbortCause, FinishReason, StopChecker
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
@@ -116,11 +117,25 @@ def _plan(scheduler: Scheduler) -> StepPlan:
     return plan
 
 
-def _finish_all(scheduler: Scheduler, runner: ModelRunner, rids: Sequence[str]) -> None:
+def _released(grammar: LocalGrammar, outcome: SchedulerOutcome) -> SchedulerOutcome:
+    """Release the matchers a scheduler event finished with, as the engine loop does."""
+    if outcome.released_grammars:
+        grammar.release(outcome.released_grammars)
+    return outcome
+
+
+def _commit(scheduler: Scheduler, grammar: LocalGrammar, result: StepResult) -> SchedulerOutcome:
+    """Both phases of a commit with the grammar's commit between them, as `Engine._commit` does."""
+    pending = scheduler.commit(result)
+    answers = grammar.commit(pending.grammar) if pending.grammar else []
+    return _released(grammar, scheduler.finish_commit(pending, answers))
+
+
+def _finish_all(scheduler: Scheduler, grammar: LocalGrammar, runner: ModelRunner, rids: Sequence[str]) -> None:
     """Abort what is left and give every slot back to the runner (nothing is in flight any more)."""
     slots: list[int] = []
     for rid in rids:
-        slots.extend(scheduler.abort(rid).released_slots)
+        slots.extend(_released(grammar, scheduler.abort(rid)).released_slots)
     if slots:
         runner.release(slots).result(WAIT_S)
     assert scheduler.idle and runner.num_buffers == 0
@@ -131,7 +146,7 @@ def sync_pair(embedded_model_dir: Path, grammar: LocalGrammar) -> Iterator[tuple
     """Grammar-sync mode (``grammar_overlap=False``): the executor does not wait at the fence at all."""
     config = _config(embedded_model_dir, grammar_overlap=False)
     runner = ModelRunner.load(config, grammar)
-    yield Scheduler(config, grammar), runner
+    yield Scheduler(config), runner
     runner.shutdown()
 
 
@@ -139,7 +154,7 @@ def sync_pair(embedded_model_dir: Path, grammar: LocalGrammar) -> Iterator[tuple
 def overlap_pair(embedded_model_dir: Path, grammar: LocalGrammar) -> Iterator[tuple[Scheduler, ModelRunner]]:
     config = _config(embedded_model_dir, grammar_overlap=True)
     runner = ModelRunner.load(config, grammar)
-    yield Scheduler(config, grammar), runner
+    yield Scheduler(config), runner
     runner.shutdown()
 
 
@@ -165,49 +180,45 @@ def test_a_skipped_early_commit_is_refused_at_the_fence_at_once(
     p1 = _plan(scheduler)
     f1 = runner.launch(p1)
     p2 = _plan(scheduler)  # the misbehaviour: N is not committed before N+1 is launched
-    assert p2.entries[0].constrained and p2.entries[0].ordinal == 1 and p2.entries[0].input_ref
+    assert p2.entries[0].constrained and p2.entries[0].ordinal == 0 and p2.entries[0].input_ref
     f2 = runner.launch(p2)
     r1 = f1.result(WAIT_S)
     seen_n = time.monotonic()
     r2 = f2.result(WAIT_S)
     assert time.monotonic() - seen_n < FENCE_S / 5  # no wait at the fence
-    assert r1.samples[0].error is None
-    refused = r2.samples[0]
+    assert r1.runs[0].error is None
+    refused = r2.runs[0]
     assert refused.ordinal == 1 and refused.error is not None
     assert "behind_deadline" in refused.error and "fence" in refused.error, refused.error
     assert _grammar_at(grammar, "skip", 0)  # nothing reached the grammar out of order
 
-    first = scheduler.commit(r1)
-    assert [o.new_token_ids for o in first.outputs] == [(r1.samples[0].token_id,)]
-    second = scheduler.commit(r2)
+    first = _commit(scheduler, grammar, r1)
+    assert [o.new_token_ids for o in first.outputs] == [r1.runs[0].token_ids]
+    second = _commit(scheduler, grammar, r2)
     (end,) = second.outputs
     assert end.finish is not None and end.finish.reason is FinishReason.ABORT
-    assert (
-        end.finish.cause is AbortCause.GRAMMAR
-        and end.new_token_ids == ()
-        and end.output_ids == (r1.samples[0].token_id,)
-    )
+    assert end.finish.cause is AbortCause.GRAMMAR and end.new_token_ids == () and end.output_ids == r1.runs[0].token_ids
     runner.release(second.released_slots).result(WAIT_S)
-    _finish_all(scheduler, runner, [])
+    _finish_all(scheduler, grammar, runner, [])
 
 
 def test_with_the_early_commit_the_same_steps_succeed(
     sync_pair: tuple[Scheduler, ModelRunner], grammar: LocalGrammar, tokenizer: Tokenizer
 ) -> None:
     """C4 (the correct peer): commit N, then plan and launch N+1: its row is sampled under the mask at ordinal 1
-    and the grammar accepts it. Fails if ``Scheduler._commit_grammar`` does not commit to the grammar (the mask
-    for ordinal 1 is refused): checked once by making it return ``{}`` at its start."""
+    and the grammar accepts it. Fails if `Scheduler.commit` asks the grammar to commit nothing (the mask for
+    ordinal 1 is refused): checked once by making its `grammar` list empty."""
     scheduler, runner = sync_pair
     req = _request("early", tokenizer, _schema())
     _add_constrained(scheduler, grammar, req)
     for ordinal in range(3):
         plan = _plan(scheduler)
         result = runner.launch(plan).result(WAIT_S)
-        assert result.samples[0].ordinal == ordinal and result.samples[0].error is None
-        out = scheduler.commit(result)
+        assert result.runs[0].ordinal == ordinal and result.runs[0].error is None
+        out = _commit(scheduler, grammar, result)
         assert out.outputs[0].finish is None and _grammar_at(grammar, "early", ordinal + 1)
     assert len(req.output_ids) == 3
-    _finish_all(scheduler, runner, ["early"])
+    _finish_all(scheduler, grammar, runner, ["early"])
 
 
 def test_overlapped_the_skipped_commit_is_waited_for_at_the_fence(
@@ -231,16 +242,16 @@ def test_overlapped_the_skipped_commit_is_waited_for_at_the_fence(
     _wait_until(lambda: grammar.registry.num_waiting == 1, "step N+1's mask waits at the fence")
     assert not f2.done()  # sampling of N+1 is held back; nothing was sampled from the version before
     committed: list[RequestOutput] = []
-    committer = threading.Thread(target=lambda: committed.extend(scheduler.commit(r1).outputs))
+    committer = threading.Thread(target=lambda: committed.extend(_commit(scheduler, grammar, r1).outputs))
     committer.start()
     r2 = f2.result(WAIT_S)
     committer.join(WAIT_S)
-    assert [o.new_token_ids for o in committed] == [(r1.samples[0].token_id,)]
-    assert r2.samples[0].ordinal == 1 and r2.samples[0].error is None
-    out = scheduler.commit(r2)
+    assert [o.new_token_ids for o in committed] == [r1.runs[0].token_ids]
+    assert r2.runs[0].ordinal == 1 and r2.runs[0].error is None
+    out = _commit(scheduler, grammar, r2)
     assert out.outputs[0].finish is None  # the grammar accepted the token sampled under the fenced mask
-    assert req.output_ids == [r1.samples[0].token_id, r2.samples[0].token_id]
-    _finish_all(scheduler, runner, ["fenced"])
+    assert req.output_ids == [*r1.runs[0].token_ids, *r2.runs[0].token_ids]
+    _finish_all(scheduler, grammar, runner, ["fenced"])
 
 
 # ------------------------------------------------------------------------------------------------ C3, C5
@@ -335,32 +346,32 @@ def tokens_outside(row: torch.Tensor) -> list[int]:
 
 
 def _forged(plan: StepPlan, tokens: dict[str, int], ordinal_shift: dict[str, int]) -> StepResult:
-    samples = tuple(
-        SampledToken(e.request_id, e.ordinal + ordinal_shift.get(e.request_id, 0), tokens[e.request_id])
+    """One token per sampling entry at the ordinal it is due (plain decoding), shifted where the test says."""
+    runs = tuple(
+        SampledRun(e.request_id, e.ordinal + e.input_ref + ordinal_shift.get(e.request_id, 0), (tokens[e.request_id],))
         for e in plan.entries
         if e.sample
     )
-    return StepResult(plan.step_id, samples)
+    return StepResult(plan.step_id, runs)
 
 
 def test_a_result_from_the_wrong_ordinal_never_reaches_the_grammar(
     embedded_model_dir: Path, grammar: LocalGrammar, tokenizer: Tokenizer, valid_tokens: list[int]
 ) -> None:
-    """C1/C2 at the scheduler: a step result that names ordinal 1 for an entry planned at ordinal 0 (a replay or a
-    gap as the executor sees it) is refused before anything moves: both requests' grammars stay at ordinal 0 and
-    no output is appended.
+    """C1/C2 at the scheduler: a step result whose run begins at ordinal 1 where 0 is due (a gap as the executor
+    sees it) is refused before anything moves: the commit raises in its first phase, before any grammar entry is
+    made, so both requests' grammars stay at ordinal 0 and no output is appended.
 
-    Fails if ``or sample.ordinal != entry.ordinal`` is removed from ``scheduler._pair``: the scheduler then
-    commits the token to the grammar from ``len(output_ids)`` and only ``_append`` refuses it, after the grammar
-    moved (grammar at 1, output at 0): checked once."""
-    scheduler = Scheduler(_config(embedded_model_dir, grammar_overlap=True), grammar)
+    Fails if the ordinal check in `Scheduler.commit` (`if run.ordinal != len(req.output_ids)`) is removed: the
+    forged token is then committed to the grammar and appended as if it were due (grammar at 1): checked once."""
+    scheduler = Scheduler(_config(embedded_model_dir, grammar_overlap=True))
     a, b = _request("forged-a", tokenizer, _schema()), _request("forged-b", tokenizer, _schema())
     _add_constrained(scheduler, grammar, a)
     _add_constrained(scheduler, grammar, b)
     p1 = _plan(scheduler)
     first = valid_tokens[0]
-    with pytest.raises(ProtocolError, match="does not match the plan"):
-        scheduler.commit(_forged(p1, {"forged-a": first, "forged-b": first}, {"forged-a": 1}))
+    with pytest.raises(ProtocolError, match="C2"):
+        _commit(scheduler, grammar, _forged(p1, {"forged-a": first, "forged-b": first}, {"forged-a": 1}))
     assert _grammar_at(grammar, "forged-a", 0) and _grammar_at(grammar, "forged-b", 0)
     assert a.output_ids == [] and b.output_ids == []
     grammar.release(["forged-a", "forged-b"])
@@ -376,7 +387,7 @@ def test_a_second_writer_makes_the_commit_stale_and_only_that_request_ends(
 
     Fails if ``if from_ordinal < here: raise ... STALE_ORDINAL`` is removed from ``VersionedMatcher._check_commit``
     (the token is fed twice and the request goes on): checked once."""
-    scheduler = Scheduler(_config(embedded_model_dir, grammar_overlap=True), grammar)
+    scheduler = Scheduler(_config(embedded_model_dir, grammar_overlap=True))
     a, b = _request("twice-a", tokenizer, _schema()), _request("twice-b", tokenizer, _schema())
     _add_constrained(scheduler, grammar, a)
     _add_constrained(scheduler, grammar, b)
@@ -384,7 +395,7 @@ def test_a_second_writer_makes_the_commit_stale_and_only_that_request_ends(
     first = valid_tokens[0]
     (intruder,) = grammar.commit([CommitEntry("twice-a", 0, (first,))])  # not the scheduler: breaks C1
     assert intruder.result is not None and intruder.result.new_ordinal == 1
-    out = scheduler.commit(_forged(p1, {"twice-a": first, "twice-b": first}, {}))
+    out = _commit(scheduler, grammar, _forged(p1, {"twice-a": first, "twice-b": first}, {}))
     by_id = {o.request_id: o for o in out.outputs}
     ended = by_id["twice-a"]
     assert ended.finish is not None and ended.finish.cause is AbortCause.GRAMMAR
@@ -393,7 +404,7 @@ def test_a_second_writer_makes_the_commit_stale_and_only_that_request_ends(
     assert by_id["twice-b"].new_token_ids == (first,) and by_id["twice-b"].finish is None
     assert _grammar_at(grammar, "twice-b", 1)
     assert out.released_slots == [a.slot]
-    scheduler.abort("twice-b")
+    _released(grammar, scheduler.abort("twice-b"))
     assert grammar.num_open == 0
 
 

@@ -6,7 +6,7 @@ executor (``ExecutorThread`` over a ``ModelRunner`` whose mask fetcher is a ``Re
 public ``SglangScheduler`` API. Checked: outputs follow their grammar (a JSON schema's output validates with
 ``jsonschema``, a regex's matches it), grammar-overlap on and off give token-identical outputs for a mixed batch,
 every matcher is released after drain, an invalid grammar is INVALID_ARGUMENT with xgrammar's reason before any
-chunk, and a constrained row whose mask cannot be had ends that request alone (``SampledToken.error`` crosses the
+chunk, and a constrained row whose mask cannot be had ends that request alone (``SampledRun.error`` crosses the
 executor protocol) while the other requests finish.
 
 The public proto carries no seed: a request's sampling seed is the engine's per-submit counter. The on/off
@@ -40,7 +40,7 @@ from engine.grammar.constraint import Constraint, ConstraintKind
 from engine.model.tokenizer import Tokenizer
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.step import SampledToken, StepEntry, StepPlan, StepResult
+from engine.step import SampledRun, StepEntry, StepPlan, StepResult, StepTiming
 from engine.stop import AbortCause
 from protos import executor_pb2
 from services.executor import convert as executor_convert
@@ -348,7 +348,7 @@ def grammar_accepts(config: EngineConfig, field: str, text: str, ids: list[int],
 
 def test_missing_mask_ends_only_that_request(config: EngineConfig, grammar: str, tokenizer: Tokenizer) -> None:
     """The executor asks another grammar service, where the request's grammar is not open: its mask is refused
-    (UNKNOWN), the row comes back with ``SampledToken.error`` over the executor protocol, and the scheduler ends
+    (UNKNOWN), the row comes back with ``SampledRun.error`` over the executor protocol, and the scheduler ends
     that request alone with a grammar abort ("abort" Complete). An unconstrained request next to it finishes."""
     with grammar_service(str(config.model_path)) as other, split_stack(config, grammar, executor_grammar=other) as s:
         ids = chat_ids(tokenizer, "JSON please")
@@ -399,12 +399,13 @@ def test_constraint_without_a_grammar_service_is_unimplemented(config: EngineCon
 
 
 def test_constrained_and_error_cross_the_executor_protocol() -> None:
-    entry = StepEntry("a", 1, 3, 7, (), True, (0, 1), True, constrained=True)
+    entry = StepEntry("a", 1, 3, input_ref=True, new_pages=(0, 1), constrained=True)
     plan = StepPlan(5, (entry, replace(entry, request_id="b", constrained=False)))
     wire = executor_pb2.StepPlan.FromString(executor_convert.plan_to_proto(plan).SerializeToString())
     assert executor_convert.plan_from_proto(wire) == plan
-    samples = (SampledToken("a", 3, 0, error="grammar mask refused (unknown): a"), SampledToken("b", 3, 9))
-    result = StepResult(5, samples, 0.5)
+    runs = (SampledRun("a", 4, (), error="grammar mask refused (unknown): a"), SampledRun("b", 4, (9,)))
+    result = StepResult(5, runs, StepTiming(0.001, 0.002, 0.5, 0.6, 0.4))
     wire_result = executor_pb2.StepResult.FromString(executor_convert.result_to_proto(result).SerializeToString())
     assert executor_convert.result_from_proto(wire_result) == result
-    assert not executor_pb2.SampledToken().HasField("error")  # unset is not "": presence carries it
+    assert not executor_pb2.SampledRun().HasField("error")  # unset is not "": presence carries it
+    assert not executor_pb2.StepTiming().HasField("masks_started")

@@ -20,7 +20,7 @@ from engine.metrics import RequestFinished, RequestTimeline, StepCommitted
 from engine.request import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.step import NewRequest, SampledToken, StepEntry, StepPlan, StepResult
+from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult, StepTiming
 from engine.stop import AbortCause, Finish, FinishReason
 from services.metrics import ExecutorMetrics, SchedulerMetrics, serve_metrics
 
@@ -78,8 +78,11 @@ def _out(rid: str, new: tuple[int, ...], n: int, finish: Finish | None = None) -
     return RequestOutput(rid, new, "", n, 5, 0, finish=finish, output_ids=None if finish is None else tuple(range(n)))
 
 
-def _entry(rid: str, ordinal: int, start: int, n: int) -> StepEntry:
-    return StepEntry(rid, 0, ordinal, start, tuple(range(n)), False, (0,), True)
+def _entry(rid: str, ordinal: int, n: int) -> StepEntry:
+    """A prefill of ``n`` tokens (``ordinal`` 0) or a decode building on the run at ``ordinal``."""
+    if ordinal:
+        return StepEntry(rid, 0, ordinal, input_ref=True)
+    return StepEntry(rid, 0, 0, input_ids=tuple(range(n)))
 
 
 def test_timeline_reports_ttft_inter_token_and_latency() -> None:
@@ -120,15 +123,16 @@ def test_timeline_abort_before_first_token_reports_no_ttft() -> None:
 def test_timeline_step_time_under_overlap_counts_from_previous_commit() -> None:
     clock, rec = FakeClock(), Recorder()
     timeline = RequestTimeline(rec, clock)
-    step1 = StepPlan(1, (_entry("a", 0, 0, 6),))
-    step2 = StepPlan(2, (_entry("a", 1, 6, 1), _entry("b", 0, 0, 3)))
+    step1 = StepPlan(1, (_entry("a", 0, 6),))
+    step2 = StepPlan(2, (_entry("a", 1, 1), _entry("b", 0, 3)))
     timeline.step_launched(step1)
     clock.now += 0.01
     timeline.step_launched(step2)  # overlap: step 2 launched before step 1 commits
     clock.now += 0.02
-    timeline.step_committed(step1, StepResult(1, (SampledToken("a", 0, 4),), 0.02))
+    timeline.step_committed(step1, StepResult(1, (SampledRun("a", 0, (4,)),), StepTiming(done=0.02)))
     clock.now += 0.04
-    timeline.step_committed(step2, StepResult(2, (SampledToken("a", 1, 4), SampledToken("b", 0, 4)), 0.03))
+    runs = (SampledRun("a", 1, (4,)), SampledRun("b", 0, (4,)))
+    timeline.step_committed(step2, StepResult(2, runs, StepTiming(done=0.03)))
     events = [e for k, e in rec.calls if k == "step"]
     assert all(isinstance(e, StepCommitted) for e in events)
     first, second = events
@@ -244,7 +248,7 @@ def test_executor_metrics_with_a_real_runner(config: EngineConfig) -> None:
         metrics.watch_buffers(lambda: runner.num_buffers)
         prompt = tuple(range(40, 52))
         params = SamplingParams(temperature=0.0, max_new_tokens=4)
-        entry = StepEntry("r", 0, 0, 0, prompt, False, (0, 1), True, NewRequest(prompt, params, 1))
+        entry = StepEntry("r", 0, 0, input_ids=prompt, new_pages=(0, 1), new=NewRequest(prompt, params, 1))
         plan = StepPlan(1, (entry,))
         future = runner.launch(plan)
         metrics.track_step(plan, future)
@@ -252,8 +256,8 @@ def test_executor_metrics_with_a_real_runner(config: EngineConfig) -> None:
         s = scrape(metrics.registry)
         assert value(s, "ordinal_executor_buffers_alive") == 1
         assert value(s, "ordinal_executor_step_seconds_count") == 1
-        assert result.forward_seconds > 0
-        assert value(s, "ordinal_executor_step_seconds_sum") == pytest.approx(result.forward_seconds)
+        assert result.timing.done >= result.timing.forward_seconds > 0
+        assert value(s, "ordinal_executor_step_seconds_sum") == pytest.approx(result.timing.done)
         assert value(s, "ordinal_executor_tokens_total") == 12 and value(s, "ordinal_executor_samples_total") == 1
         runner.release([0]).result(timeout=10)
         assert value(scrape(metrics.registry), "ordinal_executor_buffers_alive") == 0

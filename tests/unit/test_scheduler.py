@@ -10,10 +10,13 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import ProtocolError
+from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.grammar.matcher import CommitResult, Refusal
+from engine.grammar.registry import CommitOutcome as GrammarOutcome
 from engine.request import IllegalTransitionError, Request, RequestState
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step import SampledToken, StepPlan, StepResult
+from engine.scheduler import CommitOutcome, Scheduler
+from engine.step import SampledRun, StepPlan, StepResult
 from engine.stop import AbortCause, FinishReason, StopChecker
 
 EOS = 2
@@ -26,8 +29,16 @@ def _req(rid: str, n_prompt: int, max_new: int = 4, **kw: object) -> Request:
 
 
 def _result(plan: StepPlan, token: int = 7) -> StepResult:
-    samples = tuple(SampledToken(e.request_id, e.ordinal, token) for e in plan.entries if e.sample)
-    return StepResult(plan.step_id, samples)
+    """One token per sampling entry (plain decoding: a decode samples the ordinal after the run it builds on)."""
+    runs = tuple(SampledRun(e.request_id, e.ordinal + e.input_ref, (token,)) for e in plan.entries if e.sample)
+    return StepResult(plan.step_id, runs)
+
+
+def _commit(s: Scheduler, result: StepResult) -> CommitOutcome:
+    """Both phases of a commit, for unconstrained requests (no grammar to ask)."""
+    pending = s.commit(result)
+    assert pending.grammar == []
+    return s.finish_commit(pending, [])
 
 
 def _sched(**kw: object) -> Scheduler:
@@ -60,12 +71,12 @@ def test_chunked_prefill_plans_next_chunk_only_after_retire() -> None:
     p1 = s.plan()
     assert p1 is not None and [e.sample for e in p1.entries] == [False]  # middle chunk samples nothing
     assert s.plan() is None  # C10: chunk 2 waits until chunk 1's step retired
-    s.commit(_result(p1))
+    _commit(s, _result(p1))
     p2 = s.plan()
-    assert p2 is not None and p2.entries[0].start_pos == 5 and not p2.entries[0].sample
-    s.commit(_result(p2))
+    assert p2 is not None and p2.entries[0].input_ids == tuple(range(15, 20)) and not p2.entries[0].sample
+    _commit(s, _result(p2))
     p3 = s.plan()
-    assert p3 is not None and p3.entries[0].start_pos == 10 and p3.entries[0].sample
+    assert p3 is not None and p3.entries[0].input_ids == tuple(range(20, 22)) and p3.entries[0].sample
 
 
 def test_overlap_decode_refers_to_the_token_in_flight() -> None:
@@ -76,14 +87,14 @@ def test_overlap_decode_refers_to_the_token_in_flight() -> None:
     p2 = s.plan()  # planned while p1 is in flight
     assert p2 is not None
     e = p2.entries[0]
-    assert e.input_ref and e.ordinal == 1 and e.start_pos == 3
-    out = s.commit(_result(p1, token=40))
+    assert e.input_ref and e.ordinal == 0 and e.input_ids == ()  # builds on p1's run, which begins at ordinal 0
+    out = _commit(s, _result(p1, token=40))
     assert [o.new_token_ids for o in out.outputs] == [(40,)]
     p3 = s.plan()
-    assert p3 is not None and p3.entries[0].ordinal == 2
-    s.commit(_result(p2, token=41))
+    assert p3 is not None and p3.entries[0].ordinal == 1
+    _commit(s, _result(p2, token=41))
     assert s.plan() is None  # max_new_tokens reached by what is in flight
-    out = s.commit(_result(p3, token=42))
+    out = _commit(s, _result(p3, token=42))
     assert out.outputs[-1].finish is not None and out.outputs[-1].finish.reason is FinishReason.LENGTH
     assert out.outputs[-1].output_ids == (40, 41, 42)
     _baseline(s)
@@ -98,11 +109,11 @@ def test_stop_with_step_in_flight_drops_it_and_releases_after_retire() -> None:
     p1 = s.plan()
     p2 = s.plan()
     assert p1 is not None and p2 is not None
-    out = s.commit(_result(p1, token=EOS))
+    out = _commit(s, _result(p1, token=EOS))
     assert out.outputs[0].finish is not None and out.outputs[0].finish.reason is FinishReason.STOP
     assert out.released_slots == []  # C9: p2 still names the request
     assert s.stats().free_slots == 7
-    out = s.commit(_result(p2, token=99))
+    out = _commit(s, _result(p2, token=99))
     assert out.outputs == [] and out.released_slots == [0]  # C6: nothing after the stop
     _baseline(s)
 
@@ -119,7 +130,7 @@ def test_abort_before_commit_drops_the_result() -> None:
     out = s.abort("a")
     assert out.outputs[0].finish is not None and out.outputs[0].finish.reason is FinishReason.ABORT
     assert s.plan() is None  # C8: never planned again
-    out = s.commit(_result(p1))
+    out = _commit(s, _result(p1))
     assert out.outputs == [] and out.released_slots == [0]
     assert s.abort("a").outputs == []  # twice: no-op
     _baseline(s)
@@ -127,17 +138,17 @@ def test_abort_before_commit_drops_the_result() -> None:
 
 def test_commit_out_of_order_or_wrong_ordinal_is_refused() -> None:
     """C1, C2. Fails if the step-order check at the top of `Scheduler.commit` is removed (p2 commits before p1)
-    or if `_pair` stops comparing the sample's ordinal with the entry's: checked once each."""
+    or if `Scheduler.commit` stops comparing a run's ordinal with the committed count: checked once each."""
     s = _sched()
     s.add(_req("a", 3))
     p1 = s.plan()
     p2 = s.plan()
     assert p1 is not None and p2 is not None
     with pytest.raises(ProtocolError, match="out of order"):
-        s.commit(_result(p2))
-    bad = StepResult(p1.step_id, (SampledToken("a", 5, 1),))
-    with pytest.raises(ProtocolError, match="does not match the plan"):
-        s.commit(bad)
+        _commit(s, _result(p2))
+    bad = StepResult(p1.step_id, (SampledRun("a", 5, (1,)),))
+    with pytest.raises(ProtocolError, match="C2"):
+        _commit(s, bad)
 
 
 def test_reservation_blocks_admission_until_pages_return() -> None:
@@ -147,7 +158,7 @@ def test_reservation_blocks_admission_until_pages_return() -> None:
     p = s.plan()
     assert p is not None and [e.request_id for e in p.entries] == ["a"]  # b would need 4 of the 2 left
     while p is not None:
-        s.commit(_result(p))
+        _commit(s, _result(p))
         p = s.plan()
         if p is not None and "b" in {e.request_id for e in p.entries}:
             break
@@ -170,7 +181,7 @@ def test_watermark_bounds_the_prefix_cache() -> None:
     s.add(_req("a", 7, max_new=1))
     p = s.plan()
     assert p is not None
-    s.commit(_result(p))
+    _commit(s, _result(p))
     assert s.cache is not None and s.cache.num_cached == 1
     assert s.cache.match((*range(10, 17), 7)).num_tokens == 4
     _baseline(s)
@@ -181,7 +192,7 @@ def test_executor_lost_aborts_everything_and_drops_the_cache() -> None:
     s.add(_req("done", 9, max_new=1))
     p = s.plan()
     assert p is not None
-    s.commit(_result(p))
+    _commit(s, _result(p))
     assert s.cache is not None and s.cache.num_cached > 0
     s.add(_req("a", 5, max_new=5))
     s.add(_req("b", 5, max_new=5))
@@ -195,5 +206,144 @@ def test_executor_lost_aborts_everything_and_drops_the_cache() -> None:
     assert s.cache.num_cached == 0  # the KV behind every cached page is gone
     p = s.plan()
     assert p is not None and [e.request_id for e in p.entries] == ["queued"]
-    s.commit(_result(p))
+    _commit(s, _result(p))
     assert s.abort("queued").outputs and s.stats().num_running == 0
+
+
+# ---------------------------------------------------------------------------------------------------- runs (v2)
+
+REGEX = Constraint(ConstraintKind.REGEX, "(yes|no)+")
+
+
+def _decoding(s: Scheduler, rid: str, first: int = 5, **kw: object) -> StepPlan:
+    """Admit ``rid``, commit its prefill (first token ``first``) and return its first decode plan."""
+    s.add(_req(rid, 3, **kw))
+    p = s.plan()
+    assert p is not None
+    pending = s.commit(_result(p, token=first))
+    s.finish_commit(pending, [_accept(e.tokens) for e in pending.grammar])
+    decode = s.plan()
+    assert decode is not None
+    return decode
+
+
+def _accept(tokens: tuple[int, ...], terminated_at: int | None = None) -> GrammarOutcome:
+    accepted = len(tokens) if terminated_at is None else terminated_at + 1
+    return GrammarOutcome(CommitResult(accepted, terminated_at is not None, None, accepted))
+
+
+def test_a_run_past_a_stop_token_is_cut_there() -> None:
+    """C6 for runs: a decode with three draft positions comes back with four tokens, the second an eos. The output
+    keeps the run up to the eos and finishes with STOP; the two after it are never appended or streamed, and the
+    watermark covers only the kept tokens' KV. Fails if `_cut` keeps the whole run (checked once)."""
+    s = _sched(num_draft_tokens=3)
+    decode = _decoding(s, "a", max_new=10)
+    (entry,) = decode.entries
+    assert entry.input_ref and entry.num_draft == 3 and entry.ordinal == 0
+    run = SampledRun("a", 1, (7, EOS, 8, 9), num_drafted=3, num_accepted=3)
+    out = _commit(s, StepResult(decode.step_id, (run,)))
+    (final,) = out.outputs
+    assert final.new_token_ids == (7, EOS) and final.output_ids == (5, 7, EOS)
+    assert final.finish is not None and final.finish.reason is FinishReason.STOP and final.finish.matched_token == EOS
+    assert s.cache is not None and s.cache.num_cached == 1  # prompt 3 + kept KV 2 = 5 positions: one page of 4
+    _baseline(s)
+
+
+def test_drafts_never_let_a_run_outgrow_max_new_tokens() -> None:
+    """The draft positions of a decode shrink as the request nears max_new_tokens, so a run fits in what the
+    request may take and in its page reservation; a run longer than its entry allows is refused (C2)."""
+    s = _sched(num_draft_tokens=3)
+    decode = _decoding(s, "a", max_new=3)
+    (entry,) = decode.entries
+    assert entry.num_draft == 1  # one token committed, one sampled: room for one draft
+    too_long = SampledRun("a", 1, (7, 8, 9), num_drafted=1, num_accepted=2)
+    with pytest.raises(ProtocolError, match="the plan allowed 1 to 2"):
+        s.commit(StepResult(decode.step_id, (too_long,)))
+
+
+def test_a_constrained_run_the_grammar_ends_early_is_cut_at_its_end() -> None:
+    """C6 through the grammar: the grammar terminates at the second of three tokens (an eos the request ignores),
+    while the stop checks would have ended the run only at its third (the length). The commit of the whole run goes
+    to the grammar in one entry from the committed ordinal (C1, C2); the output keeps what the grammar took and
+    finishes with STOP. Fails if `_apply_grammar` keeps the run past the grammar's end when the stop checks had
+    ended it later (checked once)."""
+    s = _sched(num_draft_tokens=2)
+    req = _req("g", 3, max_new=4, ignore_eos=True)
+    req.constraint = REGEX
+    s.add(req)
+    p = s.plan()
+    assert p is not None
+    first = s.commit(_result(p, token=5))
+    assert [(e.request_id, e.from_ordinal, e.tokens) for e in first.grammar] == [("g", 0, (5,))]
+    s.finish_commit(first, [_accept((5,))])
+    decode = s.plan()
+    assert decode is not None
+    pending = s.commit(StepResult(decode.step_id, (SampledRun("g", 1, (6, EOS, 8), num_drafted=2, num_accepted=2),)))
+    assert [(e.from_ordinal, e.tokens) for e in pending.grammar] == [(1, (6, EOS, 8))]
+    out = s.finish_commit(pending, [_accept((6, EOS, 8), terminated_at=1)])
+    (final,) = out.outputs
+    assert final.output_ids == (5, 6, EOS) and final.finish is not None and final.finish.reason is FinishReason.STOP
+    assert out.released_grammars == ["g"]
+    _baseline(s)
+
+
+def test_a_token_the_grammar_refuses_ends_that_request_alone() -> None:
+    """C13 at the commit: in one step the grammar refuses one request's token and takes the other's. The refused
+    token is never appended or streamed, its request ends with an abort naming the grammar (cause GRAMMAR) and its
+    matcher is released; the other request goes on. Fails if `_apply_grammar` ignores `rejected_token` (the token
+    is appended and the request decodes on; checked once)."""
+    s = _sched()
+    for rid in ("bad", "good"):
+        req = _req(rid, 3, max_new=4)
+        req.constraint = REGEX
+        s.add(req)
+    p = s.plan()
+    assert p is not None
+    pending = s.commit(_result(p, token=9))
+    assert [e.request_id for e in pending.grammar] == ["bad", "good"]
+    refused = GrammarOutcome(CommitResult(0, False, 9, 0))
+    out = s.finish_commit(pending, [refused, _accept((9,))])
+    by_id = {o.request_id: o for o in out.outputs}
+    bad, good = by_id["bad"], by_id["good"]
+    assert bad.new_token_ids == () and bad.output_ids == () and bad.finish is not None
+    assert bad.finish.reason is FinishReason.ABORT and bad.finish.cause is AbortCause.GRAMMAR
+    assert "refused token 9 at output position 0" in (bad.finish.message or "") and "regex" in (
+        bad.finish.message or ""
+    )
+    assert good.new_token_ids == (9,) and good.finish is None
+    assert out.released_grammars == ["bad"]
+    nxt = s.plan()
+    assert nxt is not None and [e.request_id for e in nxt.entries] == ["good"]
+
+
+def test_a_grammar_that_refuses_the_commit_itself_ends_the_request() -> None:
+    """A commit the grammar service refuses whole (here a stale ordinal) ends the request with a grammar abort."""
+    s = _sched()
+    req = _req("a", 3)
+    req.constraint = REGEX
+    s.add(req)
+    p = s.plan()
+    assert p is not None
+    pending = s.commit(_result(p))
+    out = s.finish_commit(pending, [GrammarOutcome(None, Refusal.STALE_ORDINAL, "a: commit from 0, at 1")])
+    (final,) = out.outputs
+    assert final.finish is not None and final.finish.cause is AbortCause.GRAMMAR and final.output_ids == ()
+    assert "stale_ordinal" in (final.finish.message or "")
+
+
+def test_a_row_the_executor_could_not_sample_ends_its_request_alone() -> None:
+    """C3/C13: the executor reports a row it could not sample (its fenced mask never came). That request ends with
+    a grammar abort carrying the executor's reason and nothing of the row is appended; the step's other request
+    commits its token. Fails if `Scheduler.commit` ignores `run.error` (the row's meaningless token is appended;
+    checked once)."""
+    s = _sched()
+    s.add(_req("a", 3))
+    s.add(_req("b", 3))
+    p = s.plan()
+    assert p is not None
+    runs = (SampledRun("a", 0, (), error="grammar mask refused (behind_deadline): ..."), SampledRun("b", 0, (4,)))
+    out = _commit(s, StepResult(p.step_id, runs))
+    by_id = {o.request_id: o for o in out.outputs}
+    assert by_id["a"].finish is not None and by_id["a"].finish.cause is AbortCause.GRAMMAR
+    assert by_id["a"].output_ids == () and "behind_deadline" in (by_id["a"].finish.message or "")
+    assert by_id["b"].new_token_ids == (4,) and by_id["b"].finish is None
