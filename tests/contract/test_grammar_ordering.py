@@ -170,10 +170,12 @@ def test_a_skipped_early_commit_is_refused_at_the_fence_at_once(
     ends that request with a grammar abort that keeps nothing of N+1.
 
     Fails if ``error=masks.errors.get(i)`` is removed from ``ModelRunner._sample`` (the row comes back as a token
-    sampled without its mask), if ``if here < at_ordinal: return Refusal.BEHIND, ...`` is removed from
-    ``VersionedMatcher._mask_refusal`` (the mask for ordinal 1 is computed from ordinal 0 and the row is "fine"), or
-    if ``EngineConfig.mask_wait_s`` ignores ``grammar_overlap`` (the executor waits the full 5 s fence deadline):
-    checked once each."""
+    sampled without its mask), if ``EngineConfig.mask_wait_s`` ignores ``grammar_overlap`` (the executor waits the
+    full 5 s fence deadline), or if the version check is removed from both places that make it, the fence's cheap
+    ``behind`` filter in ``MaskFence._poll`` and ``if here < at_ordinal: return Refusal.BEHIND, ...`` in
+    ``VersionedMatcher._mask_refusal`` (the mask for ordinal 1 is computed from ordinal 0 and the row is "fine";
+    with either one left the other still refuses it, so removing one alone passes, and the locked check alone is
+    caught by tests/unit/test_grammar_matcher.py's race with a hook): checked once each."""
     scheduler, runner = sync_pair
     req = _request("skip", tokenizer, _schema())
     _add_constrained(scheduler, grammar, req)
@@ -252,6 +254,33 @@ def test_overlapped_the_skipped_commit_is_waited_for_at_the_fence(
     assert out.outputs[0].finish is None  # the grammar accepted the token sampled under the fenced mask
     assert req.output_ids == [*r1.runs[0].token_ids, *r2.runs[0].token_ids]
     _finish_all(scheduler, grammar, runner, ["fenced"])
+
+
+def test_the_fence_opens_before_the_forward_begins(
+    overlap_pair: tuple[Scheduler, ModelRunner], grammar: LocalGrammar, tokenizer: Tokenizer
+) -> None:
+    """C4 from the step's own record: with delayed sampling the executor asks for a constrained step's fenced masks
+    before its forward begins, so the wait for the previous step's commit overlaps the forward. Step N+1 is launched
+    before N is committed (its mask then waits at the fence for N's commit); its StepTiming says the masks were
+    asked before the forward started.
+
+    Fails if `ModelRunner.execute` starts the masks after the forward (the overlap of the mask wait is lost):
+    `masks_started` is then after `forward_done` (checked once by moving the call)."""
+    scheduler, runner = overlap_pair
+    req = _request("timed", tokenizer, _schema())
+    _add_constrained(scheduler, grammar, req)
+    f1 = runner.launch(_plan(scheduler))
+    f2 = runner.launch(_plan(scheduler))
+    r1 = f1.result(WAIT_S)
+    _wait_until(lambda: grammar.registry.num_waiting == 1, "step N+1's mask waits at the fence")
+    _commit(scheduler, grammar, r1)
+    r2 = f2.result(WAIT_S)
+    timing = r2.timing
+    assert timing.masks_started is not None and r1.timing.masks_started is not None
+    assert timing.masks_started <= timing.forward_started < timing.forward_done <= timing.done, timing
+    assert timing.forward_cpu > 0
+    _commit(scheduler, grammar, r2)
+    _finish_all(scheduler, grammar, runner, ["timed"])
 
 
 # ------------------------------------------------------------------------------------------------ C3, C5
@@ -514,12 +543,13 @@ def test_seed_000_the_grammar_never_falls_behind_the_decode_loop(
     final output. With delayed sampling, N+1's mask request is made while N is pending (held so at every step);
     with early commit, N is committed before N+1's mask is even asked.
 
-    Delayed sampling fails if ``if here < at_ordinal: return Refusal.BEHIND, ...`` is removed from
+    Delayed sampling fails if the version check is removed from both places that make it, the fence's ``behind``
+    filter in ``MaskFence._poll`` and ``if here < at_ordinal: return Refusal.BEHIND, ...`` in
     ``VersionedMatcher._mask_refusal`` (N+1's mask is answered from version v, before N's commit: the seed's stale
-    verify mask, which lets the sampler pick tokens the grammar then refuses, "Tokens not accepted" aborts); early
-    commit fails if the ``while inflight: self._commit(...)`` early commit is removed from
-    ``Engine._loop`` (the seed's missing guard: masks are refused behind the fence and requests abort): checked
-    once each."""
+    verify mask, which lets the sampler pick tokens the grammar then refuses, "Tokens not accepted" aborts; one of
+    the two alone is not enough, the other refuses); early commit fails if the ``while inflight: self._commit(...)``
+    early commit is removed from ``Engine._loop`` (the seed's missing guard: masks are refused behind the fence and
+    requests abort): checked once each."""
     outs, backend = _seed_000_workload(embedded_model_dir, grammar, tokenizer, grammar_overlap)
     position = {event: i for i, event in enumerate(backend.events)}
     for rid, out in outs.items():

@@ -33,7 +33,7 @@ from engine.grammar import (
     Refusal,
     VersionedMatcher,
 )
-from engine.grammar.matcher import TokenCalls
+from engine.grammar.matcher import TokenCalls, fill_mask_rows
 from engine.model.tokenizer import Tokenizer
 
 SCHEMA = '{"type":"object","properties":{"name":{"type":"string"},"n":{"type":"integer"}},"required":["name","n"]}'
@@ -359,13 +359,15 @@ def test_a_fence_opened_before_the_commit_is_answered_by_it_and_a_closed_one_is_
 def test_fence_deadline_expires_cleanly_and_other_entries_are_answered(
     registry: GrammarRegistry, tokenizer: Tokenizer
 ) -> None:
-    """C3: behind past the deadline → BEHIND_DEADLINE for that entry only; the matcher is unchanged."""
+    """C3: behind past the deadline → BEHIND_DEADLINE for that entry only, answered at the deadline (not ten
+    times later: fails if `MaskFence`'s deadline is made ten times longer, checked once); the matcher is unchanged."""
     constraint = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
     registry.open("late", constraint, WAIT_S)
     registry.open("ready", constraint, WAIT_S)
     started = time.monotonic()
     late, ready = registry.fill_masks([MaskEntry("late", 3), MaskEntry("ready", 0)], 0.2)
-    assert 0.2 <= time.monotonic() - started < WAIT_S
+    # The deadline bounds the wait both ways: a fence that waited ten times longer would stall a step that long.
+    assert 0.2 <= time.monotonic() - started < 0.2 * 5
     assert late.refusal is Refusal.BEHIND_DEADLINE and "ordinal 3" in late.message and "200 ms" in late.message
     assert ready.rows is not None and ready.rows.words.shape == (1, registry.compiler.words_per_row)
     assert registry.num_waiting == 0
@@ -500,6 +502,75 @@ def test_batched_masks_are_never_from_another_version_while_commits_race(
         assert outcome.rows is not None and torch.equal(outcome.rows.words[0], expected[ordinal]), ordinal
     assert {ordinal for ordinal, _ in answered} >= set(range(len(tokens)))  # every version was asked and answered
     assert all(o.refusal in (None, Refusal.AHEAD, Refusal.TERMINATED) for _, o in seen)
+
+
+class ContendedLock:
+    """A matcher's lock that says when an acquire had to wait because someone else held it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.contended = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        self.contended.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def test_a_commit_cannot_land_between_a_batched_masks_check_and_its_fill(
+    schema: CompiledConstraint, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """C3, the race given a hook: `fill_mask_rows` checks each matcher's ordinal, then xgrammar fills the rows. The
+    test starts a commit on another thread exactly between the two (inside xgrammar's batch fill, patched) and waits
+    until that commit has either finished or is waiting for the matcher's lock. The mask must be the one at the
+    ordinal asked, the commit going through only after the fill.
+
+    Fails deterministically if `fill_mask_rows` does not hold the matchers' locks from the check to the fill
+    (checked once by removing the acquire/release loops): the commit then finishes first and the row comes back
+    from the next version."""
+    tokens = ids(tokenizer, VALID_JSON)
+    k = 3
+    reference = VersionedMatcher(schema)
+    reference.commit(0, tokens[:k])
+    expected = mask_at(reference, k)
+    matcher = VersionedMatcher(schema)
+    matcher.commit(0, tokens[:k])
+    lock = ContendedLock()
+    matcher._lock = lock  # type: ignore[assignment]
+    committed = threading.Event()
+
+    def commit_next() -> None:
+        matcher.commit(k, [tokens[k]])
+        committed.set()
+
+    real = xgr.BatchGrammarMatcher
+
+    class RacingFill(real):  # type: ignore[misc, valid-type]
+        def batch_fill_next_token_bitmask(self, *args: object, **kwargs: object) -> object:
+            racer.start()
+            deadline = time.monotonic() + WAIT_S
+            while not (lock.contended.is_set() or committed.is_set()):  # polling a state, bounded
+                assert time.monotonic() < deadline, "the racing commit neither waited for the lock nor finished"
+                time.sleep(0.001)
+            return super().batch_fill_next_token_bitmask(*args, **kwargs)
+
+    racer = threading.Thread(target=commit_next)
+    monkeypatch.setattr(xgr, "BatchGrammarMatcher", RacingFill)
+    out = torch.zeros((1, matcher.words_per_row), dtype=torch.int32)  # [1, W]
+    assert fill_mask_rows([(matcher, k)], out) == [None]
+    racer.join(WAIT_S)
+    assert committed.is_set() and matcher.ordinal == k + 1
+    assert torch.equal(out[0], expected), "the row is not the mask at the ordinal asked"
 
 
 # ---------------------------------------------------------------- compiler
