@@ -133,10 +133,12 @@ async def run_in_process(engine: Engine, streams: int, jobs: list[Job]) -> Repor
 
 @dataclass(frozen=True)
 class SpawnedStack:
-    """The scheduler's address and the pid of every service process (for CPU accounting)."""
+    """The scheduler's and the executor's addresses and the pid of every service process (for CPU accounting):
+    the grammar service's first when there is one, then the executor's, then the scheduler's."""
 
     target: str
     pids: tuple[int, ...]
+    executor: str
 
 
 @contextmanager
@@ -164,7 +166,7 @@ def spawned_stack(model: Path, config_args: list[str], grammar: bool = False) ->
         )  # fmt: skip
         procs.append(scheduler)
         port = _ready_port(scheduler, "SCHEDULER_READY")
-        yield SpawnedStack(f"127.0.0.1:{port}", tuple(p.pid for p in procs))
+        yield SpawnedStack(f"127.0.0.1:{port}", tuple(p.pid for p in procs), f"127.0.0.1:{eport}")
     finally:
         for proc in reversed(procs):
             proc.terminate()

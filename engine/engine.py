@@ -132,8 +132,12 @@ class Engine:
         sink: OutputSink,
         request_id: str | None = None,
         constraint: Constraint | None = None,
+        with_text: bool = True,
     ) -> str:
         """Validate and queue a request; ``sink`` is called on the loop thread with each output.
+
+        ``with_text`` False: the outputs' ``text_delta`` stay empty (a caller that streams token ids saves the
+        detokenization); stop strings are still matched on the text.
 
         Raises :class:`InvalidRequestError` (naming the field) before anything is allocated. A ``constraint`` is
         compiled off the loop before the request is queued; if it does not compile, the only output is a finish
@@ -144,7 +148,7 @@ class Engine:
         if constraint is not None and self.grammar is None:
             raise InvalidRequestError("constraint", "this engine was started without a grammar service")
         rid = request_id or uuid.uuid4().hex
-        request = self._validated_request(rid, prompt_ids, params)
+        request = self._validated_request(rid, prompt_ids, params, with_text)
         request.constraint = constraint
         claim = object()
         if self._live.setdefault(rid, claim) is not claim:
@@ -251,7 +255,9 @@ class Engine:
 
     # ---------------------------------------------------------------- validation
 
-    def _validated_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+    def _validated_request(
+        self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, with_text: bool = True
+    ) -> Request:
         prompt = tuple(int(t) for t in prompt_ids)
         if not prompt:
             raise InvalidRequestError("input_ids", "must not be empty")
@@ -275,7 +281,8 @@ class Engine:
                 "lower max_new_tokens or start the engine with more pages",
             )
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._seeds)
-        checker = StopChecker(params, self.info.eos_token_ids, self.tokenizer)
+        decoder = self.tokenizer if with_text or params.stop else None
+        checker = StopChecker(params, self.info.eos_token_ids, decoder)
         return Request(request_id=rid, prompt_ids=prompt, params=params, stop_checker=checker, seed=seed)
 
     # ---------------------------------------------------------------- the loop

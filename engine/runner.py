@@ -94,7 +94,7 @@ class ResolvedEntry:
     buffer: SlotBuffer
     tokens: tuple[int, ...]  # the input run
     start_pos: int
-    pages: tuple[int, ...]  # the page table after this entry's new pages
+    pages: Sequence[int]  # the page table after this entry's new pages (the slot's own list when none are new)
 
 
 class ModelRunner:
@@ -191,11 +191,11 @@ class ModelRunner:
         # C4, delayed sampling: the fenced masks are fetched while the forward runs; only sampling waits.
         masks_started = time.perf_counter() - started
         pending = self._start_masks(sampling)
-        forward_started = time.perf_counter() - started
-        cpu = time.thread_time()
         try:
             seqs = [SeqInput(r.tokens, r.start_pos, r.pages, _logits_mode(r.entry)) for r in resolved]
             batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
+            forward_started = time.perf_counter() - started
+            cpu = time.thread_time()
             logits = self._model(batch, self._kv)  # [num sampling entries, V]
         except BaseException:
             if pending is not None:
@@ -230,17 +230,20 @@ class ModelRunner:
         self._slots[entry.slot] = self._new_buffer(entry)
 
     def _resolve_entry(self, entry: StepEntry) -> ResolvedEntry:
-        who = f"request {entry.request_id}"
+        # Once per request per step: messages are built on the error paths only.
         buf = self._slots.get(entry.slot)
         if buf is None or buf.request_id != entry.request_id:
             raise ProtocolError(f"slot {entry.slot} does not hold request {entry.request_id}")
         if entry.num_draft:
-            raise ProtocolError(f"{who}: {entry.num_draft} draft positions, but this executor has no draft proposer")
+            raise ProtocolError(
+                f"request {entry.request_id}: {entry.num_draft} draft positions, but this executor has no draft "
+                "proposer"
+            )
         tokens = self._input_run(entry, buf)
-        pages = (*buf.pages, *entry.new_pages)
+        pages: Sequence[int] = (*buf.pages, *entry.new_pages) if entry.new_pages else buf.pages
         end = buf.seq_len + len(tokens)
         if len(pages) * self._kv.page_size < end:
-            raise ProtocolError(f"{who}: {len(pages)} pages do not cover positions [0, {end})")
+            raise ProtocolError(f"request {entry.request_id}: {len(pages)} pages do not cover positions [0, {end})")
         return ResolvedEntry(entry, buf, tokens, buf.seq_len, pages)
 
     def _new_buffer(self, entry: StepEntry) -> SlotBuffer:
@@ -257,8 +260,10 @@ class ModelRunner:
     @staticmethod
     def _input_run(entry: StepEntry, buf: SlotBuffer) -> tuple[int, ...]:
         """The entry's input tokens, after checking that it builds on exactly the slot's state (C2)."""
-        who = f"request {entry.request_id}"
         if entry.input_ref:
+            if buf.pending is not None and entry.ordinal == buf.run_start and entry.sample:
+                return (buf.pending,)  # a decode: the common case, decided first
+            who = f"request {entry.request_id}"
             if buf.pending is None:
                 raise ProtocolError(f"{who}: input reference before any sample")
             if entry.ordinal != buf.run_start:
@@ -266,9 +271,8 @@ class ModelRunner:
                     f"{who}: plan builds on the run at ordinal {entry.ordinal}, the executor's last run began at "
                     f"ordinal {buf.run_start}"
                 )
-            if not entry.sample:
-                raise ProtocolError(f"{who}: a decode must sample")
-            return (buf.pending, *entry.input_ids)
+            raise ProtocolError(f"{who}: a decode must sample")
+        who = f"request {entry.request_id}"
         if buf.pending is not None:
             raise ProtocolError(
                 f"{who}: literal input, but the slot's last token (run at ordinal {buf.run_start}) is still to be "
@@ -298,20 +302,23 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, rows: list[ResolvedEntry], masks: StepMasks) -> tuple[SampledRun, ...]:
         out = self._sampler.sample(logits, [r.buffer.sampling for r in rows], masks.bitmask)
+        logprobs, tops, errors = out.logprobs, out.top_logprobs, masks.errors
         runs = []
-        for i, r in enumerate(rows):
+        for i, r in enumerate(rows):  # once per sampled request per step: kept lean
             buf, token = r.buffer, out.token_ids[i]
             ordinal = buf.sampling.num_output
             buf.sampling.record(token)
             buf.pending, buf.run_start = token, ordinal
             runs.append(
                 SampledRun(
-                    request_id=r.entry.request_id,
-                    ordinal=ordinal,
-                    token_ids=(token,),
-                    logprobs=(out.logprobs[i],) if out.logprobs is not None else None,
-                    top_logprobs=(tuple(out.top_logprobs[i]),) if out.top_logprobs is not None else None,
-                    error=masks.errors.get(i),
+                    r.entry.request_id,
+                    ordinal,
+                    (token,),
+                    0,
+                    0,
+                    (logprobs[i],) if logprobs is not None else None,
+                    (tuple(tops[i]),) if tops is not None else None,
+                    errors.get(i) if errors else None,
                 )
             )
         return tuple(runs)
@@ -320,7 +327,8 @@ class ModelRunner:
         """The step's KV is written: each slot's accepted positions grow by its run (C11), its pages are kept."""
         for r in resolved:
             buf = r.buffer
-            buf.pages[len(buf.pages) :] = r.entry.new_pages
+            if r.entry.new_pages:
+                buf.pages.extend(r.entry.new_pages)
             buf.seq_len += len(r.tokens)
 
     def _release(self, slots: tuple[int, ...]) -> None:

@@ -67,6 +67,9 @@ class SamplingState:
         self.logit_bias = self._bias_tensors(params)
         self.min_new_banned = self._min_new_banned(params, eos_token_ids)
         self.penalties: PenaltyTensors | None = None
+        # Decided once, read every step: greedy with nothing to apply but (maybe) min_new_tokens, and no logprobs.
+        self.plain_greedy = params.greedy and self.logit_bias is None and not params.needs_penalties
+        self.wants_logprobs = params.logprobs or params.top_logprobs > 0
         if params.needs_penalties:
             self.penalties = PenaltyTensors(
                 output_counts=torch.zeros(vocab_size, dtype=torch.float32, device=self.device),  # [V]
@@ -142,7 +145,7 @@ class Sampler:
     5. repetition penalty over prompt and output tokens (HF: positive logits divided, negative multiplied),
        then frequency and presence penalties over output tokens (OpenAI: ``logit -= freq*count +
        pres*(count > 0)``);
-    6. greedy rows take ``torch.argmax`` (ties go to the lowest id);
+    6. greedy rows take the largest logit (ties go to the lowest id);
     7. other rows: temperature, top-k, top-p (on the top-k renormalized distribution), min-p (relative to
        the largest remaining probability), then a draw with the row's own generator by the exponential race
        ``argmax(probs / Exp(1) noise)``. Each sampled row draws exactly one ``[vocab_size]`` noise vector
@@ -169,7 +172,7 @@ class Sampler:
             return SampleOutput(token_ids=[], logprobs=None, top_logprobs=None)
         raw = logits[:, : self.vocab_size].float()  # [B, V]
         if self._is_trivial(states, bitmask):
-            tokens = torch.argmax(raw, dim=-1)  # [B]
+            tokens = _argmax(raw)  # [B]
         else:
             processed = self.process_logits(raw, states, bitmask)  # [B, V]
             tokens = self._choose(processed, states)  # [B]
@@ -192,9 +195,7 @@ class Sampler:
         """True when one argmax over the raw logits gives every row's token."""
         if bitmask is not None:
             return False
-        return all(
-            s.params.greedy and s.logit_bias is None and s.penalties is None and not s.min_new_active for s in states
-        )
+        return all(s.plain_greedy and not s.min_new_active for s in states)
 
     # ---- logit processing (steps 2-5), all rows at once ----
 
@@ -272,7 +273,7 @@ class Sampler:
     # ---- token choice (steps 6-7) ----
 
     def _choose(self, x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        tokens = torch.argmax(x, dim=-1)  # [B]
+        tokens = _argmax(x)  # [B]
         sampled = [r for r, s in enumerate(states) if not s.params.greedy]
         if sampled:
             idx = torch.tensor(sampled, dtype=torch.long, device=self.device)  # [S]
@@ -327,7 +328,7 @@ class Sampler:
     def _logprobs(
         self, raw: torch.Tensor, tokens: torch.Tensor, states: Sequence[SamplingState]
     ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
-        if not any(s.params.logprobs or s.params.top_logprobs > 0 for s in states):
+        if not any(s.wants_logprobs for s in states):
             return None, None
         lp = torch.log_softmax(raw, dim=-1)  # [B, V]
         chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()  # [B]
@@ -349,3 +350,10 @@ class Sampler:
         row_t = torch.tensor(rows, dtype=torch.long, device=self.device)  # [R]
         count_t = torch.tensor(counts, dtype=torch.long, device=self.device)  # [R]
         return torch.repeat_interleave(row_t, count_t)  # [sum(counts)]
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B]: the index of each row's largest value, the lowest one on ties. ``max(dim).indices`` has the
+    same semantics as ``argmax`` (the first maximal index) and is about three times faster on CPU (136 against 400
+    us for 128 rows of 2048 on one thread here), where greedy sampling is on every decode step's path."""
+    return x.max(dim=-1).indices  # [B]

@@ -225,11 +225,13 @@ class StateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorState(_message.Message):
-    __slots__ = ("buffers", "steps", "session_open")
+    __slots__ = ("buffers", "steps", "session_open", "forward_cpu_seconds")
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SESSION_OPEN_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     buffers: int
     steps: int
     session_open: bool
-    def __init__(self, buffers: _Optional[int] = ..., steps: _Optional[int] = ..., session_open: _Optional[bool] = ...) -> None: ...
+    forward_cpu_seconds: float
+    def __init__(self, buffers: _Optional[int] = ..., steps: _Optional[int] = ..., session_open: _Optional[bool] = ..., forward_cpu_seconds: _Optional[float] = ...) -> None: ...

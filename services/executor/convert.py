@@ -124,34 +124,37 @@ def new_request_from_proto(msg: pb.NewRequest) -> NewRequest:
 
 
 def entry_to_proto(entry: StepEntry) -> pb.StepEntry:
-    msg = pb.StepEntry(
-        request_id=entry.request_id,
-        slot=entry.slot,
-        ordinal=entry.ordinal,
-        input_ids=entry.input_ids,
-        input_ref=entry.input_ref,
-        num_draft=entry.num_draft,
-        sample=entry.sample,
-        new_pages=entry.new_pages,
-        constrained=entry.constrained,
-    )
+    # Once per request per step on the scheduler: fields at their proto3 default are not set at all.
+    msg = pb.StepEntry(request_id=entry.request_id, slot=entry.slot, ordinal=entry.ordinal, sample=entry.sample)
+    if entry.input_ids:
+        msg.input_ids.extend(entry.input_ids)
+    if entry.input_ref:
+        msg.input_ref = True
+    if entry.num_draft:
+        msg.num_draft = entry.num_draft
+    if entry.new_pages:
+        msg.new_pages.extend(entry.new_pages)
+    if entry.constrained:
+        msg.constrained = True
     if entry.new is not None:
         msg.new.CopyFrom(new_request_to_proto(entry.new))
     return msg
 
 
 def entry_from_proto(msg: pb.StepEntry) -> StepEntry:
+    # Once per request per step on the executor: positional, and empty repeated fields skip the tuple copy.
+    ids, pages = msg.input_ids, msg.new_pages
     return StepEntry(
-        request_id=msg.request_id,
-        slot=msg.slot,
-        ordinal=msg.ordinal,
-        input_ids=tuple(msg.input_ids),
-        input_ref=msg.input_ref,
-        num_draft=msg.num_draft,
-        sample=msg.sample,
-        new_pages=tuple(msg.new_pages),
-        new=new_request_from_proto(msg.new) if msg.HasField("new") else None,
-        constrained=msg.constrained,
+        msg.request_id,
+        msg.slot,
+        msg.ordinal,
+        tuple(ids) if ids else (),
+        msg.input_ref,
+        msg.num_draft,
+        msg.sample,
+        tuple(pages) if pages else (),
+        new_request_from_proto(msg.new) if msg.HasField("new") else None,
+        msg.constrained,
     )
 
 
@@ -167,13 +170,11 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
 
 
 def run_to_proto(run: SampledRun) -> pb.SampledRun:
-    msg = pb.SampledRun(
-        request_id=run.request_id,
-        ordinal=run.ordinal,
-        token_ids=run.token_ids,
-        num_drafted=run.num_drafted,
-        num_accepted=run.num_accepted,
-    )
+    msg = pb.SampledRun(request_id=run.request_id, ordinal=run.ordinal, token_ids=run.token_ids)
+    if run.num_drafted:
+        msg.num_drafted = run.num_drafted
+    if run.num_accepted:
+        msg.num_accepted = run.num_accepted
     if run.logprobs is not None:
         msg.has_logprobs = True
         msg.logprobs.extend(run.logprobs)
@@ -192,15 +193,15 @@ def run_from_proto(msg: pb.SampledRun) -> SampledRun:
         if msg.has_top_logprobs
         else None
     )
-    return SampledRun(
-        request_id=msg.request_id,
-        ordinal=msg.ordinal,
-        token_ids=tuple(msg.token_ids),
-        num_drafted=msg.num_drafted,
-        num_accepted=msg.num_accepted,
-        logprobs=tuple(msg.logprobs) if msg.has_logprobs else None,
-        top_logprobs=top,
-        error=msg.error if msg.HasField("error") else None,
+    return SampledRun(  # once per sampled request per step: positional
+        msg.request_id,
+        msg.ordinal,
+        tuple(msg.token_ids),
+        msg.num_drafted,
+        msg.num_accepted,
+        tuple(msg.logprobs) if msg.has_logprobs else None,
+        top,
+        msg.error if msg.HasField("error") else None,
     )
 
 

@@ -70,6 +70,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._session_open = False
         self._resets: list[Future[None]] = []  # buffer drops of ended sessions, still queued on the worker
         self._steps = 0
+        self._forward_cpu = 0.0
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return self._info
@@ -81,6 +82,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             steps=self._steps,
             # An ended session counts as open until its buffers are gone, so "closed" implies "0 buffers".
             session_open=self._session_open or bool(self._resets),
+            forward_cpu_seconds=self._forward_cpu,
         )
 
     async def Session(
@@ -143,6 +145,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             return _error_reply(item.step_id, "internal", f"{type(exc).__name__}: {exc}")
         if isinstance(value, StepResult):
             self._steps += 1
+            self._forward_cpu += value.timing.forward_cpu
         return item.reply(value)
 
     def _end_session(self) -> None:

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
@@ -47,13 +47,14 @@ from engine.stop import AbortCause, Finish, FinishReason
 from engine.tombstones import TombstoneBounds, Tombstones
 from services.scheduler import convert
 from services.scheduler.convert import GenerateSpec, ModelLimits, ServedModel, ServerState
+from services.scheduler.mailbox import Inbox, Mailbox
 from services.scheduler.tokenizer_zip import build_tokenizer_zip, tokenizer_chunks
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 
-_Outputs = asyncio.Queue[tuple[int, RequestOutput] | None]  # None: wake up, an Abort RPC won
+_Outputs = Inbox[tuple[int, RequestOutput] | None]  # None: wake up, an Abort RPC won
 
 ABORT_FLUSH_S = 1.0  # how long an Abort answer waits for its stream's final messages to be written
 
@@ -109,6 +110,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self._inflight: dict[str, _Rpc] = {}  # public request id -> its RPC; event loop only
         options = options if options is not None else ServicerOptions()
         self._before_write = options.before_write
+        self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
         self._tombstones = Tombstones(options.tombstones)  # aborted before they arrived
         self._finished = Tombstones(options.tombstones)  # ended recently: a late Abort says so, leaving no tombstone
         self._tokenizer_zip: bytes | None = None
@@ -158,21 +160,19 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         with finish reason abort per open sample, counting the tokens this stream carried."""
         samples = rpc.samples
         while not samples.done and rpc.aborted is None:
-            item = await rpc.outputs.get()
-            if item is None:
-                break  # woken by an abort
-            index, out = item
-            samples.check_fatal(out)
-            if samples.spec.stream and out.new_token_ids:
-                if not await self._may_write(rpc):
-                    break
-                await context.write(samples.chunk(index, out))
-            else:
-                samples.received(index, out)
-            if out.finish is not None:
-                if not await self._may_write(rpc):
-                    break
-                await context.write(samples.complete(index, out))
+            batch = await _delivered(rpc.outputs)
+            for index, out in batch:
+                samples.check_fatal(out)
+                if samples.spec.stream and out.new_token_ids:
+                    if not await self._may_write(rpc):
+                        break
+                    await context.write(samples.chunk(index, out))
+                else:
+                    samples.received(index, out)
+                if out.finish is not None:
+                    if not await self._may_write(rpc):
+                        break
+                    await context.write(samples.complete(index, out))
         if rpc.aborted is not None:
             for index in samples.unfinished():
                 await context.write(samples.aborted(index))
@@ -182,6 +182,13 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         if self._before_write is not None:
             await self._before_write(rpc.samples.spec.request_id)
         return rpc.aborted is None
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        """The mailbox of the event loop serving this RPC (one per loop; a servicer normally sees one)."""
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[loop] = Mailbox(loop)
+        return mailbox
 
     @property
     def num_tombstones(self) -> int:
@@ -217,12 +224,15 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self, spec: GenerateSpec, outputs: _Outputs, context: grpc.aio.ServicerContext
     ) -> tuple[str, ...]:
         """Submit every sample, or none: a refused sample aborts the ones already submitted."""
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox(asyncio.get_running_loop())
         submitted: list[str] = []
         try:
             for index, engine_id in enumerate(spec.engine_ids()):
-                sink = _sink(loop, outputs, index)
-                self._engine.submit(spec.prompt_ids, spec.params, sink, engine_id, constraint=spec.constraint)
+                sink = _sink(mailbox, outputs, index)
+                # Token ids are all this API streams: no text is decoded unless stop strings need it.
+                self._engine.submit(
+                    spec.prompt_ids, spec.params, sink, engine_id, constraint=spec.constraint, with_text=False
+                )
                 submitted.append(engine_id)
         except InvalidRequestError as exc:
             self._abort_all(submitted, "another sample of the request was refused")
@@ -350,13 +360,13 @@ class _Rpc:
 
     samples: _Samples
     engine_ids: tuple[str, ...] = ()
-    outputs: _Outputs = field(default_factory=asyncio.Queue)
+    outputs: _Outputs = field(default_factory=Inbox)
     aborted: str | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def abort(self, reason: str) -> None:
         self.aborted = reason
-        self.outputs.put_nowait(None)  # wakes the relay if it waits for an output
+        self.outputs.put(None)  # wakes the relay if it waits for an output
 
 
 class _Samples:
@@ -438,13 +448,36 @@ class _Samples:
         self._finishes.append(reason if self.spec.n == 1 else f"sample {index}: {reason}")
 
 
-def _sink(loop: asyncio.AbstractEventLoop, outputs: _Outputs, index: int) -> OutputSink:
+async def _delivered(outputs: _Outputs) -> list[tuple[int, RequestOutput]]:
+    """The outputs delivered so far: one at least (waiting for it), and every one queued behind it, merged into
+    one output per sample. A stream that keeps up gets each token at once; one that fell behind (its writes
+    waited) gets the tokens it missed in one chunk instead of one message each. Empty when an abort woke it."""
+    items = await outputs.take_all()
+    merged: dict[int, RequestOutput] = {}
+    for item in items:
+        if item is None:
+            return []  # an Abort RPC won: nothing more of the engine's is written
+        index, out = item
+        before = merged.get(index)
+        merged[index] = out if before is None else _merge(before, out)
+    return list(merged.items())
+
+
+def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one sample as one (the later one's counts, finish and final ids)."""
+    return replace(
+        then,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+        text_delta=first.text_delta + then.text_delta,
+        logprobs=first.logprobs + then.logprobs,
+    )
+
+
+def _sink(mailbox: Mailbox, outputs: _Outputs, index: int) -> OutputSink:
     """An engine sink (called on the engine's loop thread) that hands outputs to the RPC's event loop."""
 
     def deliver(out: RequestOutput) -> None:
-        # A closed event loop raises RuntimeError: the server is gone and nobody reads this stream any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(outputs.put_nowait, (index, out))
+        mailbox.post(outputs, (index, out))
 
     return deliver
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table, ratios measured side by side in one run (see README, "Benchmarks")."""
