@@ -9,7 +9,7 @@ xgrammar would not enforce, or xgrammar's own); every refused schema is also sen
 API, which must answer INVALID_ARGUMENT with the same reason. Then:
 
 - an output that finishes with "stop" is JSON that validates with ``jsonschema`` (the draft its ``$schema`` names,
-  else 2020-12): no exception, since the policy (engine/grammar/schema.py) rewrites or refuses whatever xgrammar
+  else 2020-12): no exception, since the policy (engine/grammar/schema/) rewrites or refuses whatever xgrammar
   would enforce loosely;
 - an output cut by the length limit is accepted token by token by a fresh matcher of the compiled schema;
 - no request ends with the grammar refusing a token at commit (C13): that happened only where xgrammar's mask

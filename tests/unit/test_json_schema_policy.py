@@ -1,4 +1,4 @@
-"""The JSON-schema policy (engine/grammar/schema.py) against real xgrammar 0.2.9 matchers and real jsonschema.
+"""The JSON-schema policy (engine/grammar/schema/) against real xgrammar 0.2.9 matchers and real jsonschema.
 
 Each rewrite case lists instances with their verdict. The test checks that jsonschema agrees with every verdict on
 the *original* schema, that a fresh ``xgrammar.GrammarMatcher`` over the original schema accepts at least one
