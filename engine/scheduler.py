@@ -301,10 +301,11 @@ class Scheduler:
                 refused[req.request_id] = _grammar_abort(f"grammar commit refused ({code}): {got.message}")
             elif got.result.rejected_token is not None:
                 named = req.constraint.describe() if req.constraint is not None else "unknown"
-                refused[req.request_id] = _grammar_abort(
-                    f"the grammar refused token {sample.token_id} at output position {len(req.output_ids)} "
-                    f"(constraint: {named})"
-                )
+                position = len(req.output_ids)
+                # C13: a token the grammar refuses, or (checked mode) one that completes an output violating the
+                # JSON schema, whose words (keyword, places, value) come from the grammar side.
+                why = got.result.violation or f"the grammar refused token {sample.token_id}"
+                refused[req.request_id] = _grammar_abort(f"{why} at output position {position} (constraint: {named})")
             elif got.result.terminated:
                 req.grammar_terminated = True
         return refused

@@ -8,7 +8,8 @@ pointers and references, ``vocabulary`` says which keywords each draft validates
 """
 
 from engine.grammar.schema.policy import (
-    LOOSE_FLAG,
+    MODE_FLAG,
+    MODE_PARAM,
     XGRAMMAR,
     JsonSchemaPolicy,
     PolicyOutcome,
@@ -16,4 +17,12 @@ from engine.grammar.schema.policy import (
     UnenforcedSchemaError,
 )
 
-__all__ = ["LOOSE_FLAG", "XGRAMMAR", "JsonSchemaPolicy", "PolicyOutcome", "Unenforced", "UnenforcedSchemaError"]
+__all__ = [
+    "MODE_FLAG",
+    "MODE_PARAM",
+    "XGRAMMAR",
+    "JsonSchemaPolicy",
+    "PolicyOutcome",
+    "Unenforced",
+    "UnenforcedSchemaError",
+]

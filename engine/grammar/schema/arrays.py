@@ -21,7 +21,10 @@ def rules(walker: Walker, node: dict[str, Any], pointer: str, depth: int) -> Non
             del node[key]  # without contains they constrain nothing
             walker.count("vacuous keyword removed")
     if "contains" in keys:
-        walker.refuse("contains", pointer)
+        if walker.checking:  # xgrammar misreads contains with minContains: no array passes
+            walker.check(node, ("contains", "minContains", "maxContains"), pointer)
+        else:
+            walker.refuse("contains", pointer)
     prefix = node["prefixItems"] if isinstance(node.get("prefixItems"), list) else []
     min_items = node.get("minItems", 0) if is_count(node.get("minItems", 0)) else 0
     # An array node without items: xgrammar allows any items only when the node says nothing but its type
@@ -35,7 +38,10 @@ def rules(walker: Walker, node: dict[str, Any], pointer: str, depth: int) -> Non
         try:
             unique_items(walker, node)
         except Refused as refused:
-            walker.refuse(refused.keyword, pointer, refused.detail)
+            if walker.checking:
+                walker.check(node, ("uniqueItems",), pointer, refused.detail)
+            else:
+                walker.refuse(refused.keyword, pointer, refused.detail)
     if isinstance(node.get("prefixItems"), list):
         prefix = [walker.visit(s, f"{pointer}/prefixItems/{i}", depth + 1) for i, s in enumerate(node["prefixItems"])]
         if False in prefix:  # the array must end before that position

@@ -17,6 +17,9 @@ from engine.grammar.schema.vocabulary import constraints
 if TYPE_CHECKING:
     from engine.grammar.schema.walker import Walker
 
+# The keywords that decide which schema a member's value follows: xgrammar can mix them up (see rules).
+_NAME_KEYWORDS = ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "propertyNames")
+
 
 def rules(walker: Walker, node: dict[str, Any], pointer: str, depth: int) -> None:
     """An object node made exact for xgrammar: patterns, dependencies, required and forbidden names, children."""
@@ -28,7 +31,8 @@ def rules(walker: Walker, node: dict[str, Any], pointer: str, depth: int) -> Non
         # {"properties": {"b": {"type": "object"}}, "additionalProperties": true, "patternProperties": {...}}
         # accepts {"b": 2}.
         keyword = "patternProperties" if node.get("patternProperties") else "propertyNames"
-        walker.refuse(keyword, pointer, "next to properties and additionalProperties, which xgrammar then mixes up")
+        detail = "next to properties and additionalProperties, which xgrammar then mixes up"
+        walker.refuse(keyword, pointer, detail, _NAME_KEYWORDS)
     raw_required = node.get("required")
     required = [k for k in raw_required if isinstance(k, str)] if isinstance(raw_required, list) else []
     patterns = key_patterns(walker, node, pointer)
@@ -47,7 +51,7 @@ def rules(walker: Walker, node: dict[str, Any], pointer: str, depth: int) -> Non
         node["properties"] = properties
     visit_children(walker, node, pointer, depth)
     if isinstance(node.get("properties"), dict):
-        node["properties"] = drop_impossible(walker, node, node["properties"], patterns, required)
+        node["properties"] = drop_impossible(walker, node, node["properties"], patterns, required, pointer)
 
 
 def key_patterns(walker: Walker, node: dict[str, Any], pointer: str) -> dict[str, Any]:
@@ -59,8 +63,9 @@ def key_patterns(walker: Walker, node: dict[str, Any], pointer: str) -> dict[str
         try:
             checked[strings.checked_pattern(walker, pattern, "patternProperties")] = schema
         except Refused as refused:
-            walker.refuse(refused.keyword, pointer, refused.detail)
-            checked[pattern] = schema
+            walker.refuse(refused.keyword, pointer, refused.detail, (f"patternProperties/{escape(pattern)}",))
+            if not walker.checking:  # checked mode leaves the pattern out of the grammar: xgrammar would misread it
+                checked[pattern] = schema
     names = list(checked)
     for a in range(len(names)):
         for b in range(a + 1, len(names)):
@@ -124,7 +129,7 @@ def one_path_per_name(walker: Walker, merged: dict[str, Any], patterns: dict[str
         for pattern, extra in patterns.items():
             if fullmatch(pattern, key) and not json_equal(constraints(schema), constraints(extra)):
                 detail = f"{clip(pattern)} matches property {key!r} whose schema differs: xgrammar accepts either"
-                walker.refuse("patternProperties", pointer, detail)
+                walker.refuse("patternProperties", pointer, detail, ("properties", "patternProperties"))
 
 
 def declare_required(
@@ -245,7 +250,12 @@ def can_appear(
 
 
 def drop_impossible(
-    walker: Walker, node: dict[str, Any], properties: dict[str, Any], patterns: dict[str, Any], required: list[str]
+    walker: Walker,
+    node: dict[str, Any],
+    properties: dict[str, Any],
+    patterns: dict[str, Any],
+    required: list[str],
+    pointer: str,
 ) -> dict[str, Any]:
     """A property no value satisfies must be absent: xgrammar cannot compile ``false``, so undeclare it."""
     impossible = [k for k, s in properties.items() if s is False]
@@ -255,7 +265,10 @@ def drop_impossible(
         raise Unsatisfiable
     for key in impossible:
         if not closed(node) or any(search(p, key) for p in patterns):
-            raise Refused("properties", f"{key!r} must be absent, but the object accepts other names")
+            detail = f"{key!r} must be absent, but the object accepts other names"
+            if not walker.checking:
+                raise Refused("properties", detail)
+            walker.refuse("properties", pointer, detail, (f"properties/{escape(key)}",))  # undeclared, and checked
     walker.count("impossible property undeclared")
     return {k: s for k, s in properties.items() if s is not False}
 

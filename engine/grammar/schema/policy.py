@@ -69,17 +69,21 @@ from engine.grammar.schema.values import same_json
 from engine.grammar.schema.walker import Walker
 
 XGRAMMAR = "xgrammar 0.2.9"
-LOOSE_FLAG = "--loose-json-schema"
+MODE_FLAG = "--json-schema"  # the grammar service's flag choosing strict, checked or loose
+MODE_PARAM = "json_schema_mode"  # the request's choice (SamplingParams.custom_params), which overrides the flag
 
 
 @dataclass(frozen=True)
 class PolicyOutcome:
-    """What the policy made of one schema: the schema to compile, the rewrites applied and what is refused."""
+    """What the policy made of one schema: the schema to compile, the rewrites applied, what is refused and (checked
+    mode) what the output check takes over."""
 
     schema: Any
     changed: bool
     rewrites: tuple[tuple[str, int], ...]
     unenforced: tuple[Unenforced, ...]
+    checked: tuple[Unenforced, ...] = ()
+    checking: bool = False
 
     @property
     def accepted(self) -> bool:
@@ -90,11 +94,18 @@ class PolicyOutcome:
         places = [u.describe() for u in self.unenforced[:max_places]]
         more = len(self.unenforced) - len(places)
         listed = "; ".join(places) + (f"; and {more} more" if more > 0 else "")
-        verb = "is" if len(self.unenforced) == 1 else "are"
+        one = len(self.unenforced) == 1
+        verb, them = ("is", "it") if one else ("are", "them")
+        if self.checking:
+            return (
+                f"{listed} {verb} neither enforced by the grammar engine ({XGRAMMAR}) nor checkable on the output "
+                f"(only references inside the schema are resolved); remove or rewrite {them}, or choose loose mode "
+                f"({MODE_FLAG} loose) to accept such schemas without any guarantee"
+            )
         return (
-            f"{listed} {verb} not enforced by the grammar engine ({XGRAMMAR}); remove or rewrite "
-            f"{'it' if len(self.unenforced) == 1 else 'them'}, or start the grammar service with {LOOSE_FLAG} to "
-            "accept such schemas without that guarantee"
+            f"{listed} {verb} not enforced by the grammar engine ({XGRAMMAR}); remove or rewrite {them}, or choose "
+            f'checked mode ({MODE_FLAG} checked on the grammar service, or {MODE_PARAM} "checked" in the request\'s '
+            "custom_params), which accepts such schemas and checks these keywords on each output"
         )
 
 
@@ -127,19 +138,30 @@ class JsonSchemaPolicy:
         if min(self.max_subschemas, self.max_depth, self.exact_length_limit, self.max_reported) < 1:
             raise ValueError("JsonSchemaPolicy limits must be >= 1")
 
-    def apply(self, schema: Any) -> PolicyOutcome:
-        """Rewrite ``schema`` (a parsed JSON value; it is not modified) and list what stays unenforced."""
-        walker = Walker(self, schema)
+    def apply(self, schema: Any, checking: bool = False) -> PolicyOutcome:
+        """Rewrite ``schema`` (a parsed JSON value; it is not modified) and list what stays unenforced.
+
+        ``checking`` (checked mode): what cannot be made exact stays out of the grammar and is listed in
+        :attr:`PolicyOutcome.checked` instead of refusing the schema. A schema past the limits is then compiled as
+        given, and checked as a whole."""
+        walker = Walker(self, schema, checking=checking)
         try:
             rewritten = walker.run()
         except RecursionError:  # a pathological nesting the depth limit does not see (a regex, a deep $ref target)
             walker.refuse("schema", "", "nested too deeply to check")
+            walker.stopped = True
             rewritten = schema
+        checked = tuple(walker.checked)
+        if checking and walker.stopped:  # the walk did not reach every node: xgrammar reads the rest as it likes
+            rewritten = schema
+            checked = (Unenforced("schema", "", "too large or deep to rewrite: checked as a whole"),)
         return PolicyOutcome(
             schema=rewritten,
             changed=not same_json(rewritten, schema),
             rewrites=tuple(sorted(walker.rewrites.items())),
             unenforced=tuple(walker.unenforced),
+            checked=checked,
+            checking=checking,
         )
 
     def prepare(self, text: str) -> str:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from typing import Any
+
+from engine.grammar.schema.pointer import escape
 
 JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
 ALL_TYPES = frozenset((*JSON_TYPES, "integer"))
@@ -113,3 +116,34 @@ def constraints(schema: Any) -> Any:
         else:
             out[key] = value  # values (enum, const, required, bounds) are compared as they are
     return out
+
+
+# Where subschemas sit: under a name (a map of them), in a list, or alone.
+_SUBSCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
+_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_SUBSCHEMAS = frozenset(
+    {"items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties", "not", "if"}
+    | {"then", "else", "contains", "propertyNames"}
+)
+
+
+def keyword_places(schema: Any) -> Iterator[tuple[str, str]]:
+    """Every validation keyword of ``schema`` (by its draft) with the JSON pointer of its place, subschemas included."""
+    known = VOCABULARY[draft_of(schema)]
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, pointer = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            place = f"{pointer}/{escape(key)}"
+            if key in known:
+                yield key, place
+            if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+                stack.extend((sub, f"{place}/{escape(name)}") for name, sub in value.items())
+            elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+                stack.extend((sub, f"{place}/{i}") for i, sub in enumerate(value))
+            elif key in _SUBSCHEMAS:
+                stack.append((value, place))

@@ -12,16 +12,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.grammar.pattern import Unsatisfiable
-from engine.grammar.schema import arrays, numbers, objects, strings
+from engine.grammar.schema import arrays, conditionals, negations, numbers, objects, strings
 from engine.grammar.schema.disjointness import PARTITION, Cover, Shape, first_clash
 from engine.grammar.schema.merger import Merger
 from engine.grammar.schema.pointer import MISSING, pointer_of, refs_in, replace_refs, resolve_pointer, stable_ref
-from engine.grammar.schema.refused import Refused, Unenforced
+from engine.grammar.schema.refused import UNCHECKABLE, Refused, Unenforced
 from engine.grammar.schema.validator import Validator
-from engine.grammar.schema.values import is_number, json_equal, type_in, type_set
+from engine.grammar.schema.values import is_number, json_equal
 from engine.grammar.schema.vocabulary import (
     ALL_TYPES,
-    ANNOTATIONS,
     JSON_TYPES,
     TYPE_KEYS,
     VOCABULARY,
@@ -45,12 +44,19 @@ _TYPE_RULES = (
 
 @dataclass
 class Walker:
-    """One application of the policy: the state of a single walk over a single schema."""
+    """One application of the policy: the state of a single walk over a single schema.
+
+    ``checking`` (checked mode): what cannot be made exact is left out of the grammar where it would be read loosely
+    and recorded in ``checked`` for the output check, instead of refusing the schema; only what even the check
+    cannot take over (:data:`UNCHECKABLE`) goes to ``unenforced``.
+    """
 
     policy: JsonSchemaPolicy
     original: Any
+    checking: bool = False
     rewrites: Counter[str] = field(default_factory=Counter)
     unenforced: list[Unenforced] = field(default_factory=list)
+    checked: list[Unenforced] = field(default_factory=list)
     visited: int = 0
     root: Any = None
     draft: Draft = Draft.DRAFT2020
@@ -78,10 +84,24 @@ class Walker:
     def count(self, rewrite: str) -> None:
         self.rewrites[rewrite] += 1
 
-    def refuse(self, keyword: str, pointer: str, detail: str = "") -> None:
-        place = Unenforced(keyword, pointer, detail)
-        if place not in self.unenforced:
-            self.unenforced.append(place)
+    def refuse(self, keyword: str, pointer: str, detail: str = "", covers: tuple[str, ...] | None = None) -> None:
+        """Record a keyword the grammar will not enforce: refused, or in checked mode checked on the output.
+
+        ``covers``: the schema locations under ``pointer`` the check takes over (default: the keyword itself when it
+        is one, else the whole node)."""
+        if covers is None:
+            covers = (keyword,) if keyword in VOCABULARY[Draft.DRAFT2020] | VOCABULARY[Draft.DRAFT7] else ()
+        place = Unenforced(keyword, pointer, detail, covers)
+        places = self.checked if self.checking and keyword not in UNCHECKABLE else self.unenforced
+        if place not in places:
+            places.append(place)
+
+    def check(self, node: dict[str, Any], keys: tuple[str, ...], pointer: str, detail: str = "") -> None:
+        """Checked mode: leave ``keys`` out of the grammar (xgrammar would read them loosely or wrongly) and check
+        them on the output. Only call when :attr:`checking`."""
+        for key in keys:
+            node.pop(key, None)
+        self.refuse(keys[0], pointer, detail, keys)
 
     def _enter(self, pointer: str, depth: int) -> bool:
         """Count one visited subschema; False once a limit is hit (reported once)."""
@@ -177,9 +197,10 @@ class Walker:
         """
         if not isinstance(node, dict) or not self._enter(pointer, depth):
             return node
+        notes: list[str] = []
+        node = self.normalise(node, notes)
+        entered = dict(node) if self.checking else node  # the rules change ``node``; a relaxed retry starts afresh
         try:
-            notes: list[str] = []
-            node = self.normalise(node, notes)
             for note in notes:
                 self.count(note)
             if "$ref" in node:
@@ -195,8 +216,21 @@ class Walker:
         except Unsatisfiable:
             return False
         except Refused as refused:
+            if self.checking and refused.keyword not in UNCHECKABLE:
+                return self._relaxed(entered, refused, pointer, depth, default_type)
             self.refuse(refused.keyword, pointer, refused.detail)
             return node
+
+    def _relaxed(
+        self, node: dict[str, Any], refused: Refused, pointer: str, depth: int, default_type: str | None
+    ) -> Any:
+        """Checked mode: ``node`` without the keys the refusal names, visited again, and those keys checked on the
+        output; without such keys, the whole node is checked and the grammar allows any value there."""
+        drop = tuple(k for k in refused.drop if k in node)
+        self.refuse(refused.keyword, pointer, refused.detail, drop)
+        if not drop:
+            return {"type": default_type} if default_type is not None else {}
+        return self.visit({k: v for k, v in node.items() if k not in drop}, pointer, depth + 1, default_type)
 
     def _share(self, node: Any) -> Any:
         """A string node the policy gave a generated pattern, as a reference to one shared ``$defs`` entry.
@@ -305,16 +339,37 @@ class Walker:
         if not isinstance(entries, list):
             return node
         merged: Any = {k: v for k, v in node.items() if k != "allOf"}
-        for entry in entries:
-            try:
-                merged = self.merge(merged, entry, depth + 1)
-            except Refused as refused:
-                detail = f"its entries cannot be merged: {refused.keyword}" + (
-                    f" ({refused.detail})" if refused.detail else ""
+        later = [(i, e) for i, e in enumerate(entries) if conditionals.is_conditional(e)]  # once the rest is merged
+        for index, entry in enumerate(entries):
+            if not conditionals.is_conditional(entry):
+                merged = self._merge_entry(merged, entry, index, pointer, depth)
+        for index, entry in later:
+            choice = conditionals.apply(self, merged, entry, depth + 1)
+            if choice is not None:
+                merged = choice
+                self.count("if/then/else made a choice")
+            elif self.checking:  # xgrammar ignores if/then/else: the grammar does without this entry
+                self.refuse(
+                    "if", pointer, f"in allOf/{index}, with a test the grammar cannot spell", (f"allOf/{index}",)
                 )
-                raise Refused("allOf", detail) from None
+            else:
+                merged = self._merge_entry(merged, entry, index, pointer, depth)
         self.count("allOf merged into one schema")
         return self.visit(merged, pointer, depth + 1, default_type)
+
+    def _merge_entry(self, merged: Any, entry: Any, index: int, pointer: str, depth: int) -> Any:
+        """``merged`` and allOf entry ``index`` as one schema; in checked mode an entry that cannot be merged is left
+        out of the grammar (and checked on the output)."""
+        try:
+            return self.merge(merged, entry, depth + 1)
+        except Refused as refused:
+            detail = f"its entries cannot be merged: {refused.keyword}" + (
+                f" ({refused.detail})" if refused.detail else ""
+            )
+            if not self.checking:
+                raise Refused("allOf", detail) from None
+            self.refuse("allOf", pointer, detail, (f"allOf/{index}",))
+            return merged
 
     def _visit_choice(self, node: dict[str, Any], pointer: str, depth: int, default_type: str | None) -> Any:
         keyword = "anyOf" if "anyOf" in node else "oneOf"
@@ -324,12 +379,7 @@ class Walker:
         keys = self.validation_keys(node)
         siblings = {k: v for k, v in node.items() if k != keyword and k in keys}
         if siblings:
-            try:
-                branches = [self.merge(branch, siblings, depth + 1) for branch in branches]
-            except Refused as refused:
-                raise Refused(
-                    f"keywords next to {keyword}", f"cannot move {refused.keyword} into its branches"
-                ) from None
+            branches = self._with_siblings(keyword, branches, siblings, pointer, depth)
             self.count(f"keywords next to {keyword} moved into its branches")
         live = [(i, b) for i, b in enumerate(branches) if b is not False]
         if not live:
@@ -346,6 +396,21 @@ class Walker:
             for k, v in node.items()
             if k not in keys or k == keyword
         }
+
+    def _with_siblings(
+        self, keyword: str, branches: list[Any], siblings: dict[str, Any], pointer: str, depth: int
+    ) -> list[Any]:
+        """Every branch merged with the keywords next to the anyOf/oneOf (xgrammar ignores them there). In checked
+        mode a keyword that cannot be merged stays out of the grammar and is checked on the output."""
+        while True:
+            try:
+                return [self.merge(branch, siblings, depth + 1) for branch in branches]
+            except Refused as refused:
+                detail = f"cannot move {refused.keyword} into its branches"
+                if not self.checking or refused.keyword not in siblings:
+                    raise Refused(f"keywords next to {keyword}", detail, drop=tuple(siblings)) from None
+                self.refuse(refused.keyword, pointer, f"next to {keyword}: {detail}")
+                siblings = {k: v for k, v in siblings.items() if k != refused.keyword}
 
     def _one_of_as_any_of(self, live: list[tuple[int, Any]], pointer: str, depth: int) -> list[tuple[int, Any]]:
         """oneOf as anyOf, type by type.
@@ -385,7 +450,9 @@ class Walker:
     # ------------------------------------------------------------------ typed nodes
 
     def _visit_typed(self, node: dict[str, Any], pointer: str, depth: int, default_type: str | None) -> Any:
-        self._universal(node, pointer)
+        replaced = self._universal(node, pointer, depth)
+        if replaced is not None:
+            return self.visit(replaced, pointer, depth + 1, default_type)
         node = self._complete_types(node, default_type)
         types = self.types_of(node, default_type)
         if {"integer", "number"} <= types and isinstance(node.get("type"), list):
@@ -405,6 +472,8 @@ class Walker:
             except Unsatisfiable:
                 dead |= present
             except Refused as refused:
+                if self.checking:
+                    raise  # visit relaxes the node: without the refused keyword, checked on the output
                 self.refuse(refused.keyword, pointer, refused.detail)
         if dead:
             if "type" not in node and default_type is None:
@@ -443,41 +512,38 @@ class Walker:
         self.count("typeless keywords given every type")
         return {**node, "type": list(JSON_TYPES)}
 
-    def _universal(self, node: dict[str, Any], pointer: str) -> None:
+    def _universal(self, node: dict[str, Any], pointer: str, depth: int) -> Any:
+        """The keywords that apply to every type: ``not``, ``if`` and dynamic references. Returns a schema to visit in
+        place of ``node`` when a rule rewrote it into another form (an anyOf), else None (``node`` changed in place)."""
         keys = self.validation_keys(node)
         if "not" in keys:
             try:
-                self._not(node)
+                replaced = negations.rules(self, node)
             except Refused as refused:
-                self.refuse(refused.keyword, pointer, refused.detail)
+                if self.checking:
+                    self.check(node, ("not",), pointer, refused.detail)
+                else:
+                    self.refuse(refused.keyword, pointer, refused.detail)
+            else:
+                if replaced is not None:
+                    return replaced
         if "if" in keys:
-            self.refuse("if", pointer, "with then/else" if {"then", "else"} & node.keys() else "")
+            choice = conditionals.as_choice(self, node, depth)
+            if choice is not None:
+                self.count("if/then/else made a choice")
+                return choice
+            detail = "with then/else" if {"then", "else"} & node.keys() else ""
+            if self.checking:
+                self.check(node, conditionals.CONDITIONAL_KEYS, pointer, detail)
+            else:
+                self.refuse("if", pointer, detail)
         for dynamic in ("$dynamicRef", "$recursiveRef"):
             if dynamic in keys:
-                self.refuse(dynamic, pointer)
-
-    def _not(self, node: dict[str, Any]) -> None:
-        negated = node["not"]
-        if negated is True or negated == {}:
-            raise Unsatisfiable
-        if negated is False:
-            del node["not"]
-            self.count("vacuous keyword removed")
-            return
-        if isinstance(negated, dict) and set(negated) - ANNOTATIONS == {"type"}:
-            excluded = type_set(negated["type"])
-            allowed = self.types_of(node, None)
-            if excluded is not None and not (
-                "integer" in excluded and "number" not in excluded and "number" in allowed
-            ):
-                remaining = [t for t in (*JSON_TYPES, "integer") if t in allowed and not type_in(t, excluded)]
-                if not remaining:
-                    raise Unsatisfiable
-                del node["not"]
-                node["type"] = remaining[0] if len(remaining) == 1 else remaining
-                self.count("not of types made a type list")
-                return
-        raise Refused("not")
+                if self.checking:
+                    self.check(node, (dynamic,), pointer)
+                else:
+                    self.refuse(dynamic, pointer)
+        return None
 
     # ------------------------------------------------------------------ merging (allOf semantics)
 
