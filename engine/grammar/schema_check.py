@@ -81,9 +81,10 @@ class SchemaCheck:
         try:
             instance = json.loads(text)
         except (ValueError, RecursionError) as error:  # not JSON, or not UTF-8
-            checked = any(not u.covers and u.pointer == "" for u in self.checked)
+            whole = next((u for u in self.checked if not u.covers and u.pointer == ""), None)
             shown = clip(text.decode("utf-8", "replace"), _VALUE_CHARS)
-            return Violation(NOT_JSON, "", "", shown, f"the output is not JSON ({error})", checked)
+            reason = f"the output is not JSON ({error})"
+            return Violation(NOT_JSON, "", "", shown, reason, _place(whole) if whole is not None else "")
         return self._violation(self._validator, instance, ())
 
     def value_violation(self, value: Any, path: Path, site: Any) -> Violation | None:
@@ -102,32 +103,33 @@ class SchemaCheck:
             errors = list(validator.iter_errors(instance))
         except Exception as failure:  # jsonschema itself failed (a regex it cannot compile, ...): no verdict, no stop
             reason = f"could not be checked: {failure}"
-            return Violation("schema", "", _pointer(path), _shown(instance), reason, False)
+            return Violation("schema", "", _pointer(path), _shown(instance), reason)
         if not errors:
             return None
         for strict in (True, False):
             for error in _flattened(errors):
-                if self._explained(error, strict):
-                    return self._describe(error, path, True)
-        return self._describe(jsonschema.exceptions.best_match(errors), path, False)
+                record = self._explaining(error, strict)
+                if record is not None:
+                    return self._describe(error, path, _place(record))
+        return self._describe(jsonschema.exceptions.best_match(errors), path, "")
 
-    def _explained(self, error: ValidationError, strict: bool) -> bool:
-        """Whether a checked place covers ``error``: its keyword's location lies in what a record covers (``strict``),
-        or, for keywords moved by the rewrite (merged allOf entries, siblings moved into branches), the location
-        names a covered keyword."""
+    def _explaining(self, error: ValidationError, strict: bool) -> Unenforced | None:
+        """The checked place that covers ``error``: one whose covered locations hold the failing keyword
+        (``strict``), or, for keywords the rewrite moved (merged allOf entries, siblings moved into branches), one
+        whose covered keyword the location names."""
         location = self._location(error)
         if strict:
-            return any(u.covers_location(location) for u in self.checked)
+            return next((u for u in self.checked if u.covers_location(location)), None)
         segments = location.split("/")
         for record in self.checked:
             for cover in record.covers or (record.keyword,):
                 if cover in _SUBTREE_KEYWORDS or "/" in cover:  # a subtree (then/else, allOf/1): anywhere on the way
                     head = cover.split("/")
                     if any(segments[i : i + len(head)] == head for i in range(len(segments))):
-                        return True
+                        return record
                 elif segments[-1] == cover:  # a keyword: the failing one itself
-                    return True
-        return False
+                    return record
+        return None
 
     def _location(self, error: ValidationError) -> str:
         """The JSON pointer of the failing keyword in the schema."""
@@ -137,12 +139,12 @@ class SchemaCheck:
         # A ``false`` subschema: jsonschema reports where its parent keyword is, through the schema path.
         return "".join(f"/{escape(str(part))}" for part in error.absolute_schema_path)
 
-    def _describe(self, error: ValidationError, path: Path, checked: bool) -> Violation:
+    def _describe(self, error: ValidationError, path: Path, checked_as: str) -> Violation:
         location = self._location(error)
         keyword = str(error.validator) if error.validator is not None else "false"
         holder = location.rsplit("/", 1)[0] if error.validator is not None else location
         instance = _pointer((*path, *error.absolute_path))
-        return Violation(keyword, holder, instance, _shown(error.instance), error.message, checked)
+        return Violation(keyword, holder, instance, _shown(error.instance), error.message, checked_as)
 
     # ---------------------------------------------------------------- what applies where
 
@@ -245,6 +247,10 @@ def _flattened(errors: Sequence[ValidationError]) -> Iterator[ValidationError]:
 
 def _moves_base(node: dict[str, Any], root: Any) -> bool:
     return node is not root and (isinstance(node.get("$id"), str) or isinstance(node.get("id"), str))
+
+
+def _place(record: Unenforced) -> str:
+    return f"{record.keyword} at {record.pointer or '/'}"
 
 
 def _pointer(path: Sequence[str | int]) -> str:

@@ -11,8 +11,9 @@ NOT_JSON = "json"  # the keyword of a violation that is no keyword: the output i
 class Violation:
     """The output breaks ``keyword`` of the schema node at ``schema_pointer``: the value at ``instance_pointer``.
 
-    ``checked``: the keyword is one the grammar left to the output check (the only kind checked mode should ever
-    see); False means the grammar was meant to enforce it, which would be a bug of the policy, reported all the same.
+    ``checked_as``: the place the grammar left to the output check that covers this keyword ("if at /" for a
+    ``then`` keyword); empty when none does, i.e. the grammar was meant to enforce it, which would be a bug of the
+    policy, reported all the same.
     """
 
     keyword: str
@@ -20,11 +21,21 @@ class Violation:
     instance_pointer: str  # JSON pointer of the offending value in the output ("" is the whole output)
     value: str  # the offending value as JSON, shortened
     reason: str  # the validator's words
-    checked: bool
+    checked_as: str = ""
+
+    @property
+    def checked(self) -> bool:
+        """Whether the keyword is one the grammar left to the check (the only kind checked mode should ever see)."""
+        return bool(self.checked_as)
 
     def describe(self) -> str:
         """One line for the request's abort message."""
-        what = "checked on the output" if self.checked else "meant to be enforced by the grammar"
+        own = self.checked_as == f"{self.keyword} at {self.schema_pointer or '/'}"
+        what = (
+            "meant to be enforced by the grammar"
+            if not self.checked
+            else "checked on the output" + ("" if own else f", as part of {self.checked_as}")
+        )
         shown = "" if self.value in self.reason else f" {self.value}"  # jsonschema's words often quote it already
         return (
             f"the output violates {self.keyword} at {self.schema_pointer or '/'} of the JSON schema ({what}): "

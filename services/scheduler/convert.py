@@ -157,7 +157,7 @@ def _json_schema_mode(sp: pb.SamplingParams | None) -> JsonSchemaMode | None:
     if sp is None or not sp.HasField("custom_params") or MODE_PARAM not in sp.custom_params.fields:
         return None
     value = sp.custom_params.fields[MODE_PARAM]
-    if value.WhichKind() != "string_value":
+    if value.WhichOneof("kind") != "string_value":
         raise InvalidRequestError(
             f"custom_params.{MODE_PARAM}", f"must be a string, one of {[m.value for m in JsonSchemaMode]}"
         )
