@@ -1,8 +1,12 @@
 """Constrained vs unconstrained decoding throughput, with the grammar's cost per step, in one run.
 
-The in-process engine on one model (the embedded one by default) serves the same closed-loop workload three ways:
+The in-process engine on one model (the embedded one by default) serves the same closed-loop workload four ways:
 unconstrained; constrained with delayed sampling (``grammar_overlap``, the default: masks are fetched while the
-forward runs); constrained with early commit (``grammar_overlap=False``). ``--streams`` requests are in flight at
+forward runs), once in strict and once in checked JSON-schema mode (the default: every output is also validated when
+its grammar terminates, and values are checked as they close where the schema has keywords left to the check);
+constrained with early commit (``grammar_overlap=False``, checked). The schemas are those strict mode accepts (a
+``--schemas`` folder is filtered to them), so that checked against strict measures what the output check costs
+where both serve the same grammar. ``--streams`` requests are in flight at
 all times: a new one is submitted whenever one finishes. A rate counts the output tokens streamed while all streams
 are busy, from the first submit to the last: the drain after it runs below that concurrency and lasts as long as
 the longest outputs, which differ between the modes. Constrained requests each follow one JSON schema, cycled
@@ -11,8 +15,9 @@ in interleaved rounds, so that load from outside the benchmark slows each of the
 and the median round, and the paired ratio: the median over rounds of a mode's rate against the unconstrained rate
 of the same round, the steadiest of the three on a shared machine.
 
-Per step with constrained rows it reports how long the executor waited for its masks after the forward (the
-cost delayed sampling does not hide), how long after the opening of the step's mask fence (before the forward)
+Per step with constrained rows it reports how long the scheduler's commit call to the grammar took (checked mode's
+output check runs there), how long the executor waited for its masks after the forward (the cost delayed sampling
+does not hide), how long after the opening of the step's mask fence (before the forward)
 all its rows were written (by the commit that let them through, overlapped with the forward, or after it), and how
 many bytes a FillMasks reply of the grammar service
 would carry for that step (packed with ``services.grammar.convert.encode_masks``: distinct rows once, all-allowed
@@ -52,10 +57,11 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.grammar.backend import LocalGrammar
-from engine.grammar.compiler import words_per_row
-from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.grammar.compiler import CompilerConfig, words_per_row
+from engine.grammar.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.masks import PendingMasks, StepMasks
 from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, MaskEntry, MaskRefusals
+from engine.grammar.schema import JsonSchemaPolicy
 from engine.model.embedded import ensure_embedded_model
 from engine.request import RequestOutput
 from engine.runner import ModelRunner
@@ -107,6 +113,7 @@ class GrammarCosts:
 
     mask_waits_s: list[float] = field(default_factory=list)
     fill_calls_s: list[float] = field(default_factory=list)
+    commit_calls_s: list[float] = field(default_factory=list)  # the scheduler's commit call, per step
     # Per step: (step bitmask, mask entries, their first rows, refusals); turned into replies only after the run.
     steps: list[tuple[torch.Tensor, Sequence[MaskEntry], Sequence[int], MaskRefusals]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -148,7 +155,11 @@ class TimedGrammar:
         self.inner.open(request_id, constraint)
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
-        return self.inner.commit(entries)
+        started = time.perf_counter()
+        outcomes = self.inner.commit(entries)
+        with self.costs.lock:
+            self.costs.commit_calls_s.append(time.perf_counter() - started)
+        return outcomes
 
     def fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
@@ -272,11 +283,14 @@ class Tally:
 
 
 def load_schemas(folder: Path | None) -> list[Constraint]:
+    """The built-in schemas, or those of ``folder`` that strict mode accepts (both modes serve them)."""
     texts = [json.dumps(s) for s in BUILTIN_SCHEMAS]
     if folder is not None:
         texts = [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.json"))]
+        policy = JsonSchemaPolicy()
+        texts = [t for t in texts if policy.apply(json.loads(t)).accepted]
         if not texts:
-            raise SystemExit(f"no *.json schema in {folder}")
+            raise SystemExit(f"no *.json schema in {folder} that strict mode accepts")
     return [Constraint(ConstraintKind.JSON_SCHEMA, text) for text in texts]
 
 
@@ -360,11 +374,18 @@ def closed_loop(
 class Mode:
     """One way of serving the workload: an engine of its own, with its grammar costs recorded."""
 
-    def __init__(self, name: str, config: EngineConfig, constrained: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: EngineConfig,
+        constrained: bool,
+        json_schema_mode: JsonSchemaMode = JsonSchemaMode.CHECKED,
+    ) -> None:
         self.constrained = constrained
         self.tally = Tally(name)
         self.costs = GrammarCosts()
-        self._grammar = LocalGrammar(str(config.model_path))
+        compiler = CompilerConfig(json_schema_mode=json_schema_mode)
+        self._grammar = LocalGrammar(str(config.model_path), config=compiler)
         backend = TimedGrammar(self._grammar, self.costs)
         runner = TimedRunner.load(config, backend)
         assert isinstance(runner, TimedRunner)
@@ -382,6 +403,7 @@ class Mode:
             raise RuntimeError(f"{self.tally.name}: the engine did not drain after the warmup")
         self.costs.mask_waits_s.clear()
         self.costs.fill_calls_s.clear()
+        self.costs.commit_calls_s.clear()
         self.costs.steps.clear()
 
     def run_round(self, jobs: list[Job], streams: int) -> None:
@@ -536,34 +558,43 @@ def print_rates(tallies: Sequence[Tally]) -> None:
         print(rate_cells(t, tallies[0]))
 
 
-def print_intervals(tallies: Sequence[Tally]) -> None:
-    """One line per mode: the mean per-round ratio against the first mode, with its 95% interval."""
+def print_intervals(tallies: Sequence[Tally], base: Tally | None = None) -> None:
+    """One line per mode: the mean per-round ratio against ``base`` (the first mode), with its 95% interval."""
+    base = tallies[0] if base is None else base
     print()
-    for t in tallies[1:]:
-        mean, low, high = t.paired_interval(tallies[0])
-        print(f"{t.name}: per-round ratio mean {mean:.3f}, 95% interval {low:.3f}-{high:.3f} ({len(t.rates)} rounds)")
+    for t in tallies:
+        if t is base:
+            continue
+        mean, low, high = t.paired_interval(base)
+        print(
+            f"{t.name} vs {base.name}: per-round ratio mean {mean:.3f}, 95% interval {low:.3f}-{high:.3f} "
+            f"({len(t.rates)} rounds)"
+        )
 
 
 def print_table(modes: Sequence[Mode], streams: int) -> None:
     base = modes[0].tally
-    header = RATE_HEADER + f"{'wait p50/p99 ms':>17}{'fill p50/p99 ms':>17}{'reply B/step p50/max':>22}"
+    header = RATE_HEADER + f"{'commit p50/p99 ms':>19}{'wait p50/p99 ms':>17}{'fill p50/p99 ms':>17}"
+    header += f"{'reply B/step p50/max':>22}"
     print(header)
     print("-" * len(header))
     for mode in modes:
         c = mode.costs
-        waits = fills = reply = "-"
+        commits = waits = fills = reply = "-"
         if c.mask_waits_s:
+            commits = f"{percentile(c.commit_calls_s, 0.5) * 1e3:.3f}/{percentile(c.commit_calls_s, 0.99) * 1e3:.3f}"
             waits = f"{percentile(c.mask_waits_s, 0.5) * 1e3:.2f}/{percentile(c.mask_waits_s, 0.99) * 1e3:.2f}"
             fills = f"{percentile(c.fill_calls_s, 0.5) * 1e3:.2f}/{percentile(c.fill_calls_s, 0.99) * 1e3:.2f}"
             sizes = c.reply_bytes()
             reply = f"{statistics.median(sizes):.0f}/{max(sizes)}"
-        print(f"{rate_cells(mode.tally, base)}{waits:>17}{fills:>17}{reply:>22}")
+        print(f"{rate_cells(mode.tally, base)}{commits:>19}{waits:>17}{fills:>17}{reply:>22}")
     rows = [len(answers) for answers in modes[1].costs.replies()]
     print(
         f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; tok/s: output tokens while all "
         f"{streams} streams are busy (first to last submit); ratio: vs unconstrained (paired: "
         "median of per-round ratios). CPU: this process, all threads (grammar work competes with a CPU forward for "
-        "the same cores). wait: the executor blocked on masks after the forward; fill: from the opening of a step's "
+        "the same cores). commit: the scheduler's grammar commit call of a step (checked mode's output check runs "
+        "there); wait: the executor blocked on masks after the forward; fill: from the opening of a step's "
         "mask fence (before its forward) until all its rows were written, by the commit that let them through or "
         "after the forward. Constrained rows per mask step: median "
         f"{statistics.median(rows):.0f}, max {max(rows)}; a mask row is {modes[0].words} int32 words "
@@ -608,7 +639,8 @@ def main() -> None:
         return
     modes = [
         Mode("unconstrained", base, constrained=False),
-        Mode("constrained, delayed sampling", base, constrained=True),
+        Mode("constrained, strict", base, constrained=True, json_schema_mode=JsonSchemaMode.STRICT),
+        Mode("constrained, checked", base, constrained=True),
         Mode("constrained, early commit", replace(base, grammar_overlap=False), constrained=True),
     ]
     try:
@@ -622,6 +654,7 @@ def main() -> None:
             mode.close()
     print_table(modes, args.streams)
     print_intervals([mode.tally for mode in modes])
+    print_intervals([modes[1].tally, modes[2].tally])  # checked against strict: the output check's cost
 
 
 if __name__ == "__main__":

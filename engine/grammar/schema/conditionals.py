@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.grammar.schema.refused import Refused
-from engine.grammar.schema.values import json_equal
+from engine.grammar.schema.values import json_equal, listed_values
 from engine.grammar.schema.vocabulary import ANNOTATIONS
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ def _cases(walker: Walker, context: dict[str, Any], test: Any) -> list[tuple[Any
     name, allowed = next(iter(properties.items()))
     if required is not None and required != [name]:
         return None
-    listed = _listed(allowed)
+    listed = listed_values(allowed)
     domain = _domain(walker, context, name)
     if listed is None or domain is None:
         return None
@@ -99,16 +99,6 @@ def _cases(walker: Walker, context: dict[str, Any], test: Any) -> list[tuple[Any
     if required is None:  # a missing name passes the test
         return [({"properties": {name: allowed}}, True), ({"required": [name], "properties": {name: rest}}, False)]
     return [({"required": [name], "properties": {name: allowed}}, True), ({"properties": {name: rest}}, False)]
-
-
-def _listed(schema: Any) -> list[Any] | None:
-    """The values a ``const``/``enum`` test allows, when that is all it says."""
-    if not isinstance(schema, dict) or len(set(schema) - ANNOTATIONS) != 1:
-        return None
-    if "const" in schema:
-        return [schema["const"]]
-    values = schema.get("enum")
-    return list(values) if isinstance(values, list) else None
 
 
 def _domain(walker: Walker, context: dict[str, Any], name: str) -> list[Any] | None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.grammar.pattern import Unsatisfiable
 from engine.grammar.schema.refused import Refused
-from engine.grammar.schema.values import json_equal, type_in, type_set, value_has_type
+from engine.grammar.schema.values import json_equal, listed_values, type_in, type_set, value_has_type
 from engine.grammar.schema.vocabulary import ANNOTATIONS, JSON_TYPES
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def rules(walker: Walker, node: dict[str, Any]) -> Any:
         return None
     if isinstance(negated, dict) and set(negated) - ANNOTATIONS == {"type"} and _types_left(walker, node, negated):
         return None
-    excluded = _listed(negated)
+    excluded = listed_values(negated)
     if excluded is not None:
         replaced = _values_left(walker, node, excluded)
         if replaced is not None:
@@ -53,15 +53,6 @@ def _types_left(walker: Walker, node: dict[str, Any], negated: dict[str, Any]) -
     node["type"] = remaining[0] if len(remaining) == 1 else remaining
     walker.count("not of types made a type list")
     return True
-
-
-def _listed(negated: Any) -> list[Any] | None:
-    if not isinstance(negated, dict) or len(set(negated) - ANNOTATIONS) != 1:
-        return None
-    if "const" in negated:
-        return [negated["const"]]
-    values = negated.get("enum")
-    return list(values) if isinstance(values, list) else None
 
 
 def _values_left(walker: Walker, node: dict[str, Any], excluded: list[Any]) -> Any:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from engine.grammar.schema.vocabulary import ANNOTATIONS
+
 
 def clip(text: str, limit: int = 40) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "…")
@@ -83,3 +85,13 @@ def same_json(a: Any, b: Any) -> bool:
         elif x != y:
             return False
     return True
+
+
+def listed_values(schema: Any) -> list[Any] | None:
+    """The values a schema that is only a ``const`` or an ``enum`` (annotations aside) allows; None for another one."""
+    if not isinstance(schema, dict) or len(set(schema) - ANNOTATIONS) != 1:
+        return None
+    if "const" in schema:
+        return [schema["const"]]
+    values = schema.get("enum")
+    return list(values) if isinstance(values, list) else None
