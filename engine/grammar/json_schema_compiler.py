@@ -59,16 +59,20 @@ class JsonSchemaCompiler:
     def default_mode(self) -> JsonSchemaMode:
         return self._default_mode
 
+    def _xgrammar(self, text: str) -> xgr.CompiledGrammar:
+        """xgrammar's compile of a schema text: every mode's grammar comes from here."""
+        return self._xgr.compile_json_schema(text)
+
     def compile(self, text: str, mode: JsonSchemaMode | None) -> CompiledSchema:
         mode = mode if mode is not None else self._default_mode
         try:
             schema = json.loads(text)
         except (json.JSONDecodeError, RecursionError):
-            return CompiledSchema(self._xgr.compile_json_schema(text), None, None)  # xgrammar says what is wrong
+            return CompiledSchema(self._xgrammar(text), None, None)  # xgrammar says what is wrong
         if mode is JsonSchemaMode.LOOSE:
             told = self._policy.apply(schema, checking=True)
             loose = (*told.unenforced, *told.checked)
-            return CompiledSchema(self._xgr.compile_json_schema(text), None, Enforcement.of(schema, mode, loose))
+            return CompiledSchema(self._xgrammar(text), None, Enforcement.of(schema, mode, loose))
         outcome = self._policy.apply(schema, checking=mode is JsonSchemaMode.CHECKED)
         if not outcome.accepted:
             raise UnenforcedSchemaError(outcome, self._policy.max_reported)
@@ -79,23 +83,23 @@ class JsonSchemaCompiler:
 
     def _compile_rewrite(self, prepared: str, text: str) -> xgr.CompiledGrammar:
         try:
-            return self._xgr.compile_json_schema(prepared)
+            return self._xgrammar(prepared)
         except _XGRAMMAR_ERRORS:
             if prepared is not text:
                 # The client should read xgrammar's reason about the schema they wrote ("minimum greater than
                 # maximum"), not about our rewrite of it ("Schema 'false' cannot accept any value"): compile the
                 # original once more, only on this failure path; if it compiles after all, the rewrite's error stands.
-                self._xgr.compile_json_schema(text)
+                self._xgrammar(text)
             raise
 
     def _checked(self, schema: Any, text: str, prepared: str, checked: tuple[Unenforced, ...]) -> CompiledSchema:
         try:
-            grammar = self._xgr.compile_json_schema(prepared)
+            grammar = self._xgrammar(prepared)
         except _XGRAMMAR_ERRORS:
             if prepared is text:
                 raise
             # xgrammar compiles the schema but not our rewrite of it: its own reading, and the whole schema checked.
-            grammar = self._xgr.compile_json_schema(text)
+            grammar = self._xgrammar(text)
             checked = (Unenforced("schema", "", "its rewrite did not compile: xgrammar's reading, checked as a whole"),)
         try:
             check = SchemaCheck(schema, checked, self._token_bytes)

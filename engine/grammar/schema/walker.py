@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from engine.grammar.schema.policy import JsonSchemaPolicy
 
 PENDING = object()  # a $ref target queued for its visit
+_KEYWORDS = frozenset().union(*VOCABULARY.values())  # every draft's: a refusal's keyword, or a phrase naming several
 # The rules of each JSON type, in the order xgrammar's reading needs them; ``number`` also covers integers.
 _TYPE_RULES = (
     ("string", strings.rules),
@@ -90,7 +91,7 @@ class Walker:
         ``covers``: the schema locations under ``pointer`` the check takes over (default: the keyword itself when it
         is one, else the whole node)."""
         if covers is None:
-            covers = (keyword,) if keyword in VOCABULARY[Draft.DRAFT2020] | VOCABULARY[Draft.DRAFT7] else ()
+            covers = (keyword,) if keyword in _KEYWORDS else ()
         place = Unenforced(keyword, pointer, detail, covers)
         places = self.checked if self.checking and keyword not in UNCHECKABLE else self.unenforced
         if place not in places:
