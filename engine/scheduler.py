@@ -300,12 +300,7 @@ class Scheduler:
                 code = got.refusal.value if got.refusal is not None else "error"
                 refused[req.request_id] = _grammar_abort(f"grammar commit refused ({code}): {got.message}")
             elif got.result.rejected_token is not None:
-                named = req.constraint.describe() if req.constraint is not None else "unknown"
-                position = len(req.output_ids)
-                # C13: a token the grammar refuses, or (checked mode) one that completes an output violating the
-                # JSON schema, whose words (keyword, places, value) come from the grammar side.
-                why = got.result.violation or f"the grammar refused token {sample.token_id}"
-                refused[req.request_id] = _grammar_abort(f"{why} at output position {position} (constraint: {named})")
+                refused[req.request_id] = _grammar_abort(_rejection(req, sample.token_id, got.result.violation))
             elif got.result.terminated:
                 req.grammar_terminated = True
         return refused
@@ -483,6 +478,16 @@ def _pair(plan: StepPlan, result: StepResult) -> Iterator[tuple[StepEntry, Sampl
         yield entry, sample
     if next(samples, None) is not None:
         raise ProtocolError(f"step {plan.step_id}: result has more samples than the plan")
+
+
+def _rejection(req: Request, token: int, violation: str | None) -> str:
+    """Why the grammar refused ``token`` (C13): the token itself, or (checked JSON-schema mode) the output it completes
+    violating the schema, in the grammar side's words (keyword, places, value); and which constraint it was."""
+    named = req.constraint.describe() if req.constraint is not None else "unknown"
+    position = len(req.output_ids)
+    if violation is not None:
+        return f"{violation} (output position {position}, constraint: {named})"
+    return f"the grammar refused token {token} at output position {position} (constraint: {named})"
 
 
 def _grammar_abort(message: str) -> Finish:
