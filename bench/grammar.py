@@ -57,7 +57,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.grammar.backend import LocalGrammar
-from engine.grammar.compiler import CompilerConfig, words_per_row
+from engine.grammar.compiler import CompilerConfig, ConstraintCompiler, InvalidGrammarError, words_per_row
 from engine.grammar.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.masks import PendingMasks, StepMasks
 from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, MaskEntry, MaskRefusals
@@ -282,16 +282,30 @@ class Tally:
         return 1e3 * self.cpu_s / self.output_tokens
 
 
-def load_schemas(folder: Path | None) -> list[Constraint]:
-    """The built-in schemas, or those of ``folder`` that strict mode accepts (both modes serve them)."""
+def load_schemas(folder: Path | None, model: Path) -> list[Constraint]:
+    """The built-in schemas, or those of ``folder`` that strict mode accepts and xgrammar compiles (both modes serve
+    them alike)."""
     texts = [json.dumps(s) for s in BUILTIN_SCHEMAS]
     if folder is not None:
         texts = [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.json"))]
         policy = JsonSchemaPolicy()
         texts = [t for t in texts if policy.apply(json.loads(t)).accepted]
+        compiler = ConstraintCompiler.from_model_dir(model, CompilerConfig(json_schema_mode=JsonSchemaMode.STRICT))
+        try:
+            texts = [t for t in texts if _compiles(compiler, Constraint(ConstraintKind.JSON_SCHEMA, t))]
+        finally:
+            compiler.shutdown()
         if not texts:
             raise SystemExit(f"no *.json schema in {folder} that strict mode accepts")
     return [Constraint(ConstraintKind.JSON_SCHEMA, text) for text in texts]
+
+
+def _compiles(compiler: ConstraintCompiler, constraint: Constraint) -> bool:
+    try:
+        compiler.compile(constraint, timeout_s=600)
+    except InvalidGrammarError:
+        return False
+    return True
 
 
 def make_jobs(n: int, vocab: int, max_new: int, seed: int) -> list[Job]:
@@ -627,7 +641,7 @@ def main() -> None:
     from engine.model.tokenizer import Tokenizer
 
     vocab = Tokenizer.from_dir(path).vocab_size
-    schemas = load_schemas(args.schemas)
+    schemas = load_schemas(args.schemas, path)
     jobs = make_jobs(args.requests, vocab, args.max_new, args.seed)
     warm = make_jobs(len(schemas), vocab, 4, args.seed + 1)
     print(

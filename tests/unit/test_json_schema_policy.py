@@ -641,8 +641,14 @@ def test_every_bench_schema_through_the_policy(
     rewrites: Counter[str] = Counter()
     failures = []
     start = time.perf_counter()
+    checked: Counter[str] = Counter()
     for path in sorted(BENCH.glob("*.json")):
-        outcome = POLICY.apply(json.loads(path.read_text(encoding="utf-8")))
+        schema = json.loads(path.read_text(encoding="utf-8"))
+        in_checked_mode = POLICY.apply(schema, checking=True)
+        assert in_checked_mode.accepted, f"{path.name}: {in_checked_mode.reason()}"  # checked mode refuses none
+        checked.update({u.keyword for u in in_checked_mode.checked})
+        outcome = POLICY.apply(schema)
+        assert outcome.accepted == (not in_checked_mode.checked), path.name  # what strict refuses, checked checks
         rewrites.update(name for name, _ in outcome.rewrites)
         if not outcome.accepted:
             counts["refused"] += 1
@@ -658,5 +664,6 @@ def test_every_bench_schema_through_the_policy(
         print(f"\nJSONSchemaBench policy: {dict(counts)} in {time.perf_counter() - start:.1f}s")
         print(f"  refused, per keyword (schemas): {dict(refused.most_common())}")
         print(f"  rewrites (schemas): {dict(rewrites.most_common())}")
+        print(f"  checked mode, checked on the output, per keyword (schemas): {dict(checked.most_common())}")
     assert failures == []
     assert sum(counts.values()) == 150 and counts["refused"] <= 20
