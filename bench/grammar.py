@@ -16,9 +16,10 @@ and the median round, and the paired ratio: the median over rounds of a mode's r
 of the same round, the steadiest of the three on a shared machine.
 
 Per step with constrained rows it reports how long the scheduler's commit call to the grammar took (checked mode's
-output check runs there), how long the executor waited for its masks after the forward (the cost delayed sampling
-does not hide), how long after the opening of the step's mask fence (before the forward)
-all its rows were written (by the commit that let them through, overlapped with the forward, or after it), and how
+output check runs there; after the run the commits alone are replayed without a model, strict against checked, on
+random walks through each schema's grammar), how long the executor waited for its masks after the forward (the
+cost delayed sampling does not hide), how long after the opening of the step's mask fence (before the forward) all its
+rows were written (by the commit that let them through, overlapped with the forward, or after it), and how
 many bytes a FillMasks reply of the grammar service
 would carry for that step (packed with ``services.grammar.convert.encode_masks``: distinct rows once, all-allowed
 rows as a reference).
@@ -49,7 +50,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
+import xgrammar as xgr
 from load import SpawnedStack, spawned_stack  # bench/load.py, beside this file
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
@@ -57,10 +60,16 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.grammar.backend import LocalGrammar
-from engine.grammar.compiler import CompilerConfig, ConstraintCompiler, InvalidGrammarError, words_per_row
+from engine.grammar.compiler import (
+    CompilerConfig,
+    ConstraintCompiler,
+    InvalidGrammarError,
+    load_tokenizer_info,
+    words_per_row,
+)
 from engine.grammar.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.masks import PendingMasks, StepMasks
-from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, MaskEntry, MaskRefusals
+from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, GrammarRegistry, MaskEntry, MaskRefusals
 from engine.grammar.schema import JsonSchemaPolicy
 from engine.model.embedded import ensure_embedded_model
 from engine.request import RequestOutput
@@ -442,6 +451,93 @@ class Mode:
         self._grammar.shutdown()
 
 
+# ---------------------------------------------------------------------------------------------- commit replay
+
+REPLAY_REPEATS = 20
+
+
+@dataclass(frozen=True)
+class Walk:
+    """An output that follows a schema's grammar; ``stopped``: it ends with the stop token that terminates it."""
+
+    constraint: Constraint
+    ids: list[int]
+    stopped: bool
+
+
+def grammar_walks(model: Path, schemas: Sequence[Constraint], count: int, max_tokens: int, seed: int) -> list[Walk]:
+    """Outputs that follow each schema's grammar: random walks through a fresh matcher (the allowed tokens of each
+    step's mask, whitespace avoided so that the walk moves on, a stop token taken when allowed half the time)."""
+    info = load_tokenizer_info(model)
+    compiler = ConstraintCompiler(info, CompilerConfig(json_schema_mode=JsonSchemaMode.STRICT))
+    rng = random.Random(seed)
+    vocab = compiler.vocab_size
+    pieces = info.decoded_vocab
+    walks = []
+    try:
+        for i in range(count):
+            constraint = schemas[i % len(schemas)]
+            matcher = xgr.GrammarMatcher(compiler.compile(constraint, timeout_s=600).grammar)
+            stops = set(matcher.stop_token_ids)
+            mask = xgr.allocate_token_bitmask(1, vocab)  # [1, W] int32
+            ids: list[int] = []
+            while len(ids) < max_tokens and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(mask)
+                words = mask[0].numpy().view(np.uint32)  # [W]
+                bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1  # [W, 32]
+                allowed = [t for t in np.flatnonzero(bits.reshape(-1)).tolist() if t < vocab]
+                ending = [t for t in allowed if t in stops]
+                moving = [t for t in allowed if t not in stops and pieces[t].strip()] or allowed
+                token = rng.choice(ending) if ending and rng.random() < 0.5 else rng.choice(moving)
+                assert matcher.accept_token(token)
+                ids.append(token)
+            walks.append(Walk(constraint, ids, matcher.is_terminated()))
+    finally:
+        compiler.shutdown()
+    return walks
+
+
+def replay_commits(model: Path, walks: Sequence[Walk], repeats: int) -> dict[str, float]:
+    """Microseconds per committed token, per JSON-schema mode: each walk opened, committed one token per call (as
+    the scheduler commits a step) and released, in both modes alternately, ``repeats`` times; only the commit calls
+    are timed. No model runs: this is the commit's own cost, the output check included, without the noise of a
+    forward next to it."""
+    modes = (JsonSchemaMode.STRICT, JsonSchemaMode.CHECKED)
+    compilers = {m: ConstraintCompiler.from_model_dir(model, CompilerConfig(json_schema_mode=m)) for m in modes}
+    registries = {m: GrammarRegistry(compilers[m]) for m in modes}
+    spent = dict.fromkeys(modes, 0.0)
+    tokens = 0
+    try:
+        for walk in walks:  # compile outside the timing
+            for mode in modes:
+                compilers[mode].compile(walk.constraint, timeout_s=600)
+        for repeat in range(repeats):
+            for mode in modes:
+                registry = registries[mode]
+                for i, walk in enumerate(walks):
+                    rid = f"replay-{repeat}-{i}"
+                    registry.open(rid, walk.constraint, timeout_s=600)
+                    started = time.perf_counter()
+                    for ordinal, token in enumerate(walk.ids):
+                        registry.commit([CommitEntry(rid, ordinal, (token,))])
+                    spent[mode] += time.perf_counter() - started
+                    registry.release([rid])
+            tokens += sum(len(walk.ids) for walk in walks)
+    finally:
+        for compiler in compilers.values():
+            compiler.shutdown()
+    return {mode.value: 1e6 * spent[mode] / tokens for mode in modes}
+
+
+def print_replay(per_token_us: dict[str, float], walks: Sequence[Walk], repeats: int) -> None:
+    strict, checked = per_token_us["strict"], per_token_us["checked"]
+    stopped = sum(walk.stopped for walk in walks)
+    print(
+        f"\ncommit replay ({len(walks)} grammar walks, {stopped} ending at a stop token, {repeats} repeats, no model): "
+        f"strict {strict:.2f} us/token, checked {checked:.2f} us/token ({checked / strict:.2f}x)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- split services
 
 
@@ -669,6 +765,9 @@ def main() -> None:
     print_table(modes, args.streams)
     print_intervals([mode.tally for mode in modes])
     print_intervals([modes[1].tally, modes[2].tally])  # checked against strict: the output check's cost
+    # Long enough walks that most end at a stop token, where checked mode validates the whole output.
+    walks = grammar_walks(path, schemas, max(args.requests, len(schemas)), 256, args.seed)
+    print_replay(replay_commits(path, walks, REPLAY_REPEATS), walks, REPLAY_REPEATS)
 
 
 if __name__ == "__main__":
