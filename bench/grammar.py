@@ -1,8 +1,12 @@
 """Constrained vs unconstrained decoding throughput, with the grammar's cost per step, in one run.
 
-The in-process engine on one model (the embedded one by default) serves the same closed-loop workload three ways:
+The in-process engine on one model (the embedded one by default) serves the same closed-loop workload four ways:
 unconstrained; constrained with delayed sampling (``grammar_overlap``, the default: masks are fetched while the
-forward runs); constrained with early commit (``grammar_overlap=False``). ``--streams`` requests are in flight at
+forward runs), once in strict and once in checked JSON-schema mode (the default: every output is also validated when
+its grammar terminates, and values are checked as they close where the schema has keywords left to the check);
+constrained with early commit (``grammar_overlap=False``, checked). The schemas are those strict mode accepts (a
+``--schemas`` folder is filtered to them), so that checked against strict measures what the output check costs
+where both serve the same grammar. ``--streams`` requests are in flight at
 all times: a new one is submitted whenever one finishes. A rate counts the output tokens streamed while all streams
 are busy, from the first submit to the last: the drain after it runs below that concurrency and lasts as long as
 the longest outputs, which differ between the modes. Constrained requests each follow one JSON schema, cycled
@@ -11,9 +15,11 @@ in interleaved rounds, so that load from outside the benchmark slows each of the
 and the median round, and the paired ratio: the median over rounds of a mode's rate against the unconstrained rate
 of the same round, the steadiest of the three on a shared machine.
 
-Per step with constrained rows it reports how long the executor waited for its masks after the forward (the
-cost delayed sampling does not hide), how long after the opening of the step's mask fence (before the forward)
-all its rows were written (by the commit that let them through, overlapped with the forward, or after it), and how
+Per step with constrained rows it reports how long the scheduler's commit call to the grammar took (checked mode's
+output check runs there; after the run the commits alone are replayed without a model, strict against checked, on
+random walks through each schema's grammar), how long the executor waited for its masks after the forward (the
+cost delayed sampling does not hide), how long after the opening of the step's mask fence (before the forward) all its
+rows were written (by the commit that let them through, overlapped with the forward, or after it), and how
 many bytes a FillMasks reply of the grammar service
 would carry for that step (packed with ``services.grammar.convert.encode_masks``: distinct rows once, all-allowed
 rows as a reference).
@@ -44,7 +50,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
+import xgrammar as xgr
 from load import SpawnedStack, spawned_stack  # bench/load.py, beside this file
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
@@ -52,10 +60,17 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.grammar.backend import LocalGrammar
-from engine.grammar.compiler import words_per_row
-from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.grammar.compiler import (
+    CompilerConfig,
+    ConstraintCompiler,
+    InvalidGrammarError,
+    load_tokenizer_info,
+    words_per_row,
+)
+from engine.grammar.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.masks import PendingMasks, StepMasks
-from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, MaskEntry, MaskRefusals
+from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, GrammarRegistry, MaskEntry, MaskRefusals
+from engine.grammar.schema import JsonSchemaPolicy
 from engine.model.embedded import ensure_embedded_model
 from engine.request import RequestOutput
 from engine.runner import ModelRunner, ResolvedEntry
@@ -106,6 +121,7 @@ class GrammarCosts:
 
     mask_waits_s: list[float] = field(default_factory=list)
     fill_calls_s: list[float] = field(default_factory=list)
+    commit_calls_s: list[float] = field(default_factory=list)  # the scheduler's commit call, per step
     # Per step: (step bitmask, mask entries, their first rows, refusals); turned into replies only after the run.
     steps: list[tuple[torch.Tensor, Sequence[MaskEntry], Sequence[int], MaskRefusals]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -147,7 +163,11 @@ class TimedGrammar:
         self.inner.open(request_id, constraint)
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
-        return self.inner.commit(entries)
+        started = time.perf_counter()
+        outcomes = self.inner.commit(entries)
+        with self.costs.lock:
+            self.costs.commit_calls_s.append(time.perf_counter() - started)
+        return outcomes
 
     def fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
@@ -270,13 +290,30 @@ class Tally:
         return 1e3 * self.cpu_s / self.output_tokens
 
 
-def load_schemas(folder: Path | None) -> list[Constraint]:
+def load_schemas(folder: Path | None, model: Path) -> list[Constraint]:
+    """The built-in schemas, or those of ``folder`` that strict mode accepts and xgrammar compiles (both modes serve
+    them alike)."""
     texts = [json.dumps(s) for s in BUILTIN_SCHEMAS]
     if folder is not None:
         texts = [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.json"))]
+        policy = JsonSchemaPolicy()
+        texts = [t for t in texts if policy.apply(json.loads(t)).accepted]
+        compiler = ConstraintCompiler.from_model_dir(model, CompilerConfig(json_schema_mode=JsonSchemaMode.STRICT))
+        try:
+            texts = [t for t in texts if _compiles(compiler, Constraint(ConstraintKind.JSON_SCHEMA, t))]
+        finally:
+            compiler.shutdown()
         if not texts:
-            raise SystemExit(f"no *.json schema in {folder}")
+            raise SystemExit(f"no *.json schema in {folder} that strict mode accepts")
     return [Constraint(ConstraintKind.JSON_SCHEMA, text) for text in texts]
+
+
+def _compiles(compiler: ConstraintCompiler, constraint: Constraint) -> bool:
+    try:
+        compiler.compile(constraint, timeout_s=600)
+    except InvalidGrammarError:
+        return False
+    return True
 
 
 def make_jobs(n: int, vocab: int, max_new: int, seed: int) -> list[Job]:
@@ -359,11 +396,18 @@ def closed_loop(
 class Mode:
     """One way of serving the workload: an engine of its own, with its grammar costs recorded."""
 
-    def __init__(self, name: str, config: EngineConfig, constrained: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: EngineConfig,
+        constrained: bool,
+        json_schema_mode: JsonSchemaMode = JsonSchemaMode.CHECKED,
+    ) -> None:
         self.constrained = constrained
         self.tally = Tally(name)
         self.costs = GrammarCosts()
-        self._grammar = LocalGrammar(str(config.model_path))
+        compiler = CompilerConfig(json_schema_mode=json_schema_mode)
+        self._grammar = LocalGrammar(str(config.model_path), config=compiler)
         backend = TimedGrammar(self._grammar, self.costs)
         runner = TimedRunner.load(config, backend)
         assert isinstance(runner, TimedRunner)
@@ -381,6 +425,7 @@ class Mode:
             raise RuntimeError(f"{self.tally.name}: the engine did not drain after the warmup")
         self.costs.mask_waits_s.clear()
         self.costs.fill_calls_s.clear()
+        self.costs.commit_calls_s.clear()
         self.costs.steps.clear()
 
     def run_round(self, jobs: list[Job], streams: int) -> None:
@@ -403,6 +448,93 @@ class Mode:
     def close(self) -> None:
         self.engine.shutdown()
         self._grammar.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- commit replay
+
+REPLAY_REPEATS = 20
+
+
+@dataclass(frozen=True)
+class Walk:
+    """An output that follows a schema's grammar; ``stopped``: it ends with the stop token that terminates it."""
+
+    constraint: Constraint
+    ids: list[int]
+    stopped: bool
+
+
+def grammar_walks(model: Path, schemas: Sequence[Constraint], count: int, max_tokens: int, seed: int) -> list[Walk]:
+    """Outputs that follow each schema's grammar: random walks through a fresh matcher (the allowed tokens of each
+    step's mask, whitespace avoided so that the walk moves on, a stop token taken when allowed half the time)."""
+    info = load_tokenizer_info(model)
+    compiler = ConstraintCompiler(info, CompilerConfig(json_schema_mode=JsonSchemaMode.STRICT))
+    rng = random.Random(seed)
+    vocab = compiler.vocab_size
+    pieces = info.decoded_vocab
+    walks = []
+    try:
+        for i in range(count):
+            constraint = schemas[i % len(schemas)]
+            matcher = xgr.GrammarMatcher(compiler.compile(constraint, timeout_s=600).grammar)
+            stops = set(matcher.stop_token_ids)
+            mask = xgr.allocate_token_bitmask(1, vocab)  # [1, W] int32
+            ids: list[int] = []
+            while len(ids) < max_tokens and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(mask)
+                words = mask[0].numpy().view(np.uint32)  # [W]
+                bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1  # [W, 32]
+                allowed = [t for t in np.flatnonzero(bits.reshape(-1)).tolist() if t < vocab]
+                ending = [t for t in allowed if t in stops]
+                moving = [t for t in allowed if t not in stops and pieces[t].strip()] or allowed
+                token = rng.choice(ending) if ending and rng.random() < 0.5 else rng.choice(moving)
+                assert matcher.accept_token(token)
+                ids.append(token)
+            walks.append(Walk(constraint, ids, matcher.is_terminated()))
+    finally:
+        compiler.shutdown()
+    return walks
+
+
+def replay_commits(model: Path, walks: Sequence[Walk], repeats: int) -> dict[str, float]:
+    """Microseconds per committed token, per JSON-schema mode: each walk opened, committed one token per call (as
+    the scheduler commits a step) and released, in both modes alternately, ``repeats`` times; only the commit calls
+    are timed. No model runs: this is the commit's own cost, the output check included, without the noise of a
+    forward next to it."""
+    modes = (JsonSchemaMode.STRICT, JsonSchemaMode.CHECKED)
+    compilers = {m: ConstraintCompiler.from_model_dir(model, CompilerConfig(json_schema_mode=m)) for m in modes}
+    registries = {m: GrammarRegistry(compilers[m]) for m in modes}
+    spent = dict.fromkeys(modes, 0.0)
+    tokens = 0
+    try:
+        for walk in walks:  # compile outside the timing
+            for mode in modes:
+                compilers[mode].compile(walk.constraint, timeout_s=600)
+        for repeat in range(repeats):
+            for mode in modes:
+                registry = registries[mode]
+                for i, walk in enumerate(walks):
+                    rid = f"replay-{repeat}-{i}"
+                    registry.open(rid, walk.constraint, timeout_s=600)
+                    started = time.perf_counter()
+                    for ordinal, token in enumerate(walk.ids):
+                        registry.commit([CommitEntry(rid, ordinal, (token,))])
+                    spent[mode] += time.perf_counter() - started
+                    registry.release([rid])
+            tokens += sum(len(walk.ids) for walk in walks)
+    finally:
+        for compiler in compilers.values():
+            compiler.shutdown()
+    return {mode.value: 1e6 * spent[mode] / tokens for mode in modes}
+
+
+def print_replay(per_token_us: dict[str, float], walks: Sequence[Walk], repeats: int) -> None:
+    strict, checked = per_token_us["strict"], per_token_us["checked"]
+    stopped = sum(walk.stopped for walk in walks)
+    print(
+        f"\ncommit replay ({len(walks)} grammar walks, {stopped} ending at a stop token, {repeats} repeats, no model): "
+        f"strict {strict:.2f} us/token, checked {checked:.2f} us/token ({checked / strict:.2f}x)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- split services
@@ -535,34 +667,43 @@ def print_rates(tallies: Sequence[Tally]) -> None:
         print(rate_cells(t, tallies[0]))
 
 
-def print_intervals(tallies: Sequence[Tally]) -> None:
-    """One line per mode: the mean per-round ratio against the first mode, with its 95% interval."""
+def print_intervals(tallies: Sequence[Tally], base: Tally | None = None) -> None:
+    """One line per mode: the mean per-round ratio against ``base`` (the first mode), with its 95% interval."""
+    base = tallies[0] if base is None else base
     print()
-    for t in tallies[1:]:
-        mean, low, high = t.paired_interval(tallies[0])
-        print(f"{t.name}: per-round ratio mean {mean:.3f}, 95% interval {low:.3f}-{high:.3f} ({len(t.rates)} rounds)")
+    for t in tallies:
+        if t is base:
+            continue
+        mean, low, high = t.paired_interval(base)
+        print(
+            f"{t.name} vs {base.name}: per-round ratio mean {mean:.3f}, 95% interval {low:.3f}-{high:.3f} "
+            f"({len(t.rates)} rounds)"
+        )
 
 
 def print_table(modes: Sequence[Mode], streams: int) -> None:
     base = modes[0].tally
-    header = RATE_HEADER + f"{'wait p50/p99 ms':>17}{'fill p50/p99 ms':>17}{'reply B/step p50/max':>22}"
+    header = RATE_HEADER + f"{'commit p50/p99 ms':>19}{'wait p50/p99 ms':>17}{'fill p50/p99 ms':>17}"
+    header += f"{'reply B/step p50/max':>22}"
     print(header)
     print("-" * len(header))
     for mode in modes:
         c = mode.costs
-        waits = fills = reply = "-"
+        commits = waits = fills = reply = "-"
         if c.mask_waits_s:
+            commits = f"{percentile(c.commit_calls_s, 0.5) * 1e3:.3f}/{percentile(c.commit_calls_s, 0.99) * 1e3:.3f}"
             waits = f"{percentile(c.mask_waits_s, 0.5) * 1e3:.2f}/{percentile(c.mask_waits_s, 0.99) * 1e3:.2f}"
             fills = f"{percentile(c.fill_calls_s, 0.5) * 1e3:.2f}/{percentile(c.fill_calls_s, 0.99) * 1e3:.2f}"
             sizes = c.reply_bytes()
             reply = f"{statistics.median(sizes):.0f}/{max(sizes)}"
-        print(f"{rate_cells(mode.tally, base)}{waits:>17}{fills:>17}{reply:>22}")
+        print(f"{rate_cells(mode.tally, base)}{commits:>19}{waits:>17}{fills:>17}{reply:>22}")
     rows = [len(answers) for answers in modes[1].costs.replies()]
     print(
         f"\n{len(base.rates)} interleaved rounds per mode at {streams} streams; tok/s: output tokens while all "
         f"{streams} streams are busy (first to last submit); ratio: vs unconstrained (paired: "
         "median of per-round ratios). CPU: this process, all threads (grammar work competes with a CPU forward for "
-        "the same cores). wait: the executor blocked on masks after the forward; fill: from the opening of a step's "
+        "the same cores). commit: the scheduler's grammar commit call of a step (checked mode's output check runs "
+        "there); wait: the executor blocked on masks after the forward; fill: from the opening of a step's "
         "mask fence (before its forward) until all its rows were written, by the commit that let them through or "
         "after the forward. Constrained rows per mask step: median "
         f"{statistics.median(rows):.0f}, max {max(rows)}; a mask row is {modes[0].words} int32 words "
@@ -595,7 +736,7 @@ def main() -> None:
     from engine.model.tokenizer import Tokenizer
 
     vocab = Tokenizer.from_dir(path).vocab_size
-    schemas = load_schemas(args.schemas)
+    schemas = load_schemas(args.schemas, path)
     jobs = make_jobs(args.requests, vocab, args.max_new, args.seed)
     warm = make_jobs(len(schemas), vocab, 4, args.seed + 1)
     print(
@@ -607,7 +748,8 @@ def main() -> None:
         return
     modes = [
         Mode("unconstrained", base, constrained=False),
-        Mode("constrained, delayed sampling", base, constrained=True),
+        Mode("constrained, strict", base, constrained=True, json_schema_mode=JsonSchemaMode.STRICT),
+        Mode("constrained, checked", base, constrained=True),
         Mode("constrained, early commit", replace(base, grammar_overlap=False), constrained=True),
     ]
     try:
@@ -621,6 +763,10 @@ def main() -> None:
             mode.close()
     print_table(modes, args.streams)
     print_intervals([mode.tally for mode in modes])
+    print_intervals([modes[1].tally, modes[2].tally])  # checked against strict: the output check's cost
+    # Long enough walks that most end at a stop token, where checked mode validates the whole output.
+    walks = grammar_walks(path, schemas, max(args.requests, len(schemas)), 256, args.seed)
+    print_replay(replay_commits(path, walks, REPLAY_REPEATS), walks, REPLAY_REPEATS)
 
 
 if __name__ == "__main__":

@@ -562,12 +562,9 @@ def _apply_grammar(cut: _Cut, answer: GrammarCommitOutcome) -> None:
         return
     accepted = answer.result.accepted
     if answer.result.rejected_token is not None:
-        named = req.constraint.describe() if req.constraint is not None else "unknown"
-        position = len(req.output_ids) + accepted
         cut.kept, cut.trim_tokens = cut.kept[:accepted], 0
         cut.finish = _grammar_abort(
-            f"the grammar refused token {answer.result.rejected_token} at output position {position} "
-            f"(constraint: {named})"
+            _rejection(req, answer.result.rejected_token, len(req.output_ids) + accepted, answer.result.violation)
         )
     elif answer.result.terminated:
         req.grammar_terminated = True
@@ -584,6 +581,16 @@ def _logprobs(req: Request, run: SampledRun, count: int) -> tuple[TokenLogprob, 
     return tuple(
         TokenLogprob(token, lp, top) for token, lp, top in zip(run.token_ids[:count], run.logprobs, tops, strict=False)
     )
+
+
+def _rejection(req: Request, token: int, position: int, violation: str | None) -> str:
+    """Why the grammar refused ``token`` at output ``position`` (C13): the token itself, or (checked JSON-schema mode)
+    the output it completes violating the schema, in the grammar side's words (keyword, places, value); and which
+    constraint it was."""
+    named = req.constraint.describe() if req.constraint is not None else "unknown"
+    if violation is not None:
+        return f"{violation} (output position {position}, constraint: {named})"
+    return f"the grammar refused token {token} at output position {position} (constraint: {named})"
 
 
 def _grammar_abort(message: str) -> Finish:

@@ -31,6 +31,13 @@ class ConstraintKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REGEX: _ClassVar[ConstraintKind]
     EBNF: _ClassVar[ConstraintKind]
     STRUCTURAL_TAG: _ClassVar[ConstraintKind]
+
+class JsonSchemaMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JSON_SCHEMA_MODE_UNSPECIFIED: _ClassVar[JsonSchemaMode]
+    JSON_SCHEMA_STRICT: _ClassVar[JsonSchemaMode]
+    JSON_SCHEMA_CHECKED: _ClassVar[JsonSchemaMode]
+    JSON_SCHEMA_LOOSE: _ClassVar[JsonSchemaMode]
 ENTRY_CODE_UNSPECIFIED: EntryCode
 OK: EntryCode
 STALE_ORDINAL: EntryCode
@@ -50,14 +57,20 @@ JSON_SCHEMA: ConstraintKind
 REGEX: ConstraintKind
 EBNF: ConstraintKind
 STRUCTURAL_TAG: ConstraintKind
+JSON_SCHEMA_MODE_UNSPECIFIED: JsonSchemaMode
+JSON_SCHEMA_STRICT: JsonSchemaMode
+JSON_SCHEMA_CHECKED: JsonSchemaMode
+JSON_SCHEMA_LOOSE: JsonSchemaMode
 
 class Constraint(_message.Message):
-    __slots__ = ("kind", "text")
+    __slots__ = ("kind", "text", "json_schema_mode")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_MODE_FIELD_NUMBER: _ClassVar[int]
     kind: ConstraintKind
     text: str
-    def __init__(self, kind: _Optional[_Union[ConstraintKind, str]] = ..., text: _Optional[str] = ...) -> None: ...
+    json_schema_mode: JsonSchemaMode
+    def __init__(self, kind: _Optional[_Union[ConstraintKind, str]] = ..., text: _Optional[str] = ..., json_schema_mode: _Optional[_Union[JsonSchemaMode, str]] = ...) -> None: ...
 
 class OpenEntry(_message.Message):
     __slots__ = ("request_id", "constraint")
@@ -106,20 +119,22 @@ class CommitRequest(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[CommitEntry, _Mapping]]] = ...) -> None: ...
 
 class CommitResult(_message.Message):
-    __slots__ = ("code", "message", "accepted", "terminated", "rejected_token", "new_ordinal")
+    __slots__ = ("code", "message", "accepted", "terminated", "rejected_token", "new_ordinal", "violation")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEW_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    VIOLATION_FIELD_NUMBER: _ClassVar[int]
     code: EntryCode
     message: str
     accepted: int
     terminated: bool
     rejected_token: int
     new_ordinal: int
-    def __init__(self, code: _Optional[_Union[EntryCode, str]] = ..., message: _Optional[str] = ..., accepted: _Optional[int] = ..., terminated: _Optional[bool] = ..., rejected_token: _Optional[int] = ..., new_ordinal: _Optional[int] = ...) -> None: ...
+    violation: str
+    def __init__(self, code: _Optional[_Union[EntryCode, str]] = ..., message: _Optional[str] = ..., accepted: _Optional[int] = ..., terminated: _Optional[bool] = ..., rejected_token: _Optional[int] = ..., new_ordinal: _Optional[int] = ..., violation: _Optional[str] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("results",)

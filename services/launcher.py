@@ -53,6 +53,8 @@ DEFAULT_GRAMMAR_PORT = 30002
 DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_METRICS_PORT = 29000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # logging's names; lower case is accepted too
+JSON_SCHEMA_MODES = ("strict", "checked", "loose")  # engine.grammar.JsonSchemaMode's values (no engine import here)
+DEFAULT_JSON_SCHEMA_MODE = "checked"
 READY_LINE = re.compile(r"^(?P<service>[A-Z]+)_READY port=(?P<port>\d+)\s*$")
 TAIL_LINES = 40
 
@@ -69,6 +71,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port at /metrics (0 = off)"
     )
     obs.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging verbosity")
+
+
+def add_json_schema_args(parser: argparse.ArgumentParser) -> None:
+    """``--json-schema`` (and its older spelling ``--loose-json-schema``): how the grammar reads JSON schemas."""
+    group = parser.add_argument_group("JSON schemas")
+    group.add_argument(
+        "--json-schema",
+        choices=JSON_SCHEMA_MODES,
+        default=None,
+        help=f"how JSON schemas are served when a request does not say (default: {DEFAULT_JSON_SCHEMA_MODE}). "
+        "strict: only schemas the grammar enforces exactly, others refused naming keyword and place; checked: every "
+        "schema xgrammar compiles, the keywords it cannot enforce checked on the output (a violation aborts the "
+        "request, naming keyword, place and value); loose: as given, some keywords enforced loosely (SGLang's way)",
+    )
+    group.add_argument("--loose-json-schema", action="store_true", help="the same as --json-schema loose")
+
+
+def json_schema_mode(args: argparse.Namespace) -> str:
+    """The mode ``--json-schema`` / ``--loose-json-schema`` chose (a value of engine.grammar.JsonSchemaMode)."""
+    if args.loose_json_schema:
+        if args.json_schema not in (None, "loose"):
+            raise SystemExit(f"--loose-json-schema contradicts --json-schema {args.json_schema}")
+        return "loose"
+    return str(args.json_schema or DEFAULT_JSON_SCHEMA_MODE)
 
 
 def _engine_defaults() -> EngineConfig:
@@ -161,9 +187,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 _SERVE_EPILOG = """\
 ports: the scheduler's gRPC API is --port; the executor listens on --executor-port and the grammar service on
 --grammar-port (both internal: only the scheduler and the executor talk to them); the gateway's OpenAI API is
---gateway-port. Metrics: scheduler on --metrics-port, executor on --metrics-port + 1, gateway on --metrics-port + 2
-(0 turns ordinal's metrics off). A port of 0 for --port, --executor-port or --grammar-port lets the service pick a
-free one (printed once it is ready).
+--gateway-port. Metrics: scheduler on --metrics-port, executor on --metrics-port + 1, gateway on --metrics-port + 2,
+grammar service on --metrics-port + 3 (0 turns ordinal's metrics off). A port of 0 for --port, --executor-port or
+--grammar-port lets the service pick a free one (printed once it is ready).
 
 examples:
   ordinal serve                                    # embedded tiny model, gateway on http://127.0.0.1:8000/v1
@@ -215,18 +241,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--served-model-name", default=None, help="model id clients use (default: chosen by the scheduler)"
     )
     _add_engine_tuning_args(serve)
-    serve.add_argument_group("grammar").add_argument(
-        "--loose-json-schema",
-        action="store_true",
-        help="the grammar service compiles JSON schemas as given, even with keywords xgrammar does not enforce "
-        "exactly (outputs may then violate the schema); by default such schemas are refused",
-    )
+    add_json_schema_args(serve)
     obs = serve.add_argument_group("observability and process control")
     obs.add_argument(
         "--metrics-port",
         type=int,
         default=DEFAULT_METRICS_PORT,
-        help="base Prometheus port: scheduler +0, executor +1, gateway +2 (0 = ordinal's metrics off)",
+        help="base Prometheus port: scheduler +0, executor +1, gateway +2, grammar +3 (0 = ordinal's metrics off)",
     )
     obs.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level of every service"
@@ -398,8 +419,8 @@ def _check_ports(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if not 0 <= value <= 65535:
             raise SystemExit(f"ordinal serve: --{flag.replace('_', '-')} must be in [0, 65535], got {value}")
-    if args.metrics_port > 65533:
-        raise SystemExit("ordinal serve: --metrics-port needs three ports: use at most 65533")
+    if args.metrics_port > 65532:
+        raise SystemExit("ordinal serve: --metrics-port needs four ports: use at most 65532")
 
 
 def _model_dir(model: str | None) -> Path:
@@ -418,8 +439,8 @@ def _model_dir(model: str | None) -> Path:
 def _metrics_ports(args: argparse.Namespace) -> dict[str, int]:
     base = args.metrics_port
     if base == 0:
-        return {"scheduler": 0, "executor": 0, "gateway": 0}
-    return {"scheduler": base, "executor": base + 1, "gateway": base + 2}
+        return {"scheduler": 0, "executor": 0, "gateway": 0, "grammar": 0}
+    return {"scheduler": base, "executor": base + 1, "gateway": base + 2, "grammar": base + 3}
 
 
 def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg: str | None) -> Endpoints:
@@ -429,9 +450,8 @@ def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg
     model = ["--host", args.host, "--model", str(model_dir), "--log-level", args.log_level]
     common = [*model, *engine_argv(args)]
 
-    grammar_argv = [*model, "--port", str(args.grammar_port)]
-    if args.loose_json_schema:
-        grammar_argv.append("--loose-json-schema")
+    grammar_argv = [*model, "--port", str(args.grammar_port), "--json-schema", json_schema_mode(args)]
+    grammar_argv += ["--metrics-port", str(metrics["grammar"])]
     grammar_port = _start_grpc_service(sup, "grammar", grammar_argv, local, args.startup_timeout)
     grammar = ["--grammar", _hostport(local, grammar_port)]
 

@@ -9,6 +9,9 @@ global registry, so two services, or two tests, in one process never collide) an
   at scrape time.
 * :class:`ExecutorMetrics` records each executed step (:meth:`ExecutorMetrics.track_step` on the future that
   ``runner.launch`` returns) and reads the live per-request buffer count.
+* :class:`GrammarMetrics` is an :class:`engine.grammar.EnforcementObserver` of the grammar registry: JSON-schema
+  requests by mode, their keywords by who enforces them (the grammar, the output check, nobody in loose mode), and
+  the violations checked mode finds, by keyword.
 
 Names follow Prometheus conventions: base units (seconds), ``_total`` only on counters. Tokens per second is
 ``rate(ordinal_generation_tokens_total[1m])``.
@@ -25,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.grammar import Enforcement, JsonSchemaMode, Violation
 from engine.metrics import RequestFinished, StepCommitted, prefix_hit_rate
 from engine.scheduler import SchedulerStats
 from engine.step import StepPlan, StepResult
@@ -205,6 +209,41 @@ class ExecutorMetrics:
     def watch_buffers(self, count: Callable[[], int]) -> None:
         """Read the buffer gauge from ``count`` (typically ``lambda: runner.num_buffers``) on every scrape."""
         self._buffers.set_function(lambda: float(count()))
+
+
+class GrammarMetrics:
+    """The grammar service's metrics: how each JSON-schema request's keywords are enforced, and violations found."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self._requests = Counter(
+            "ordinal_json_schema_requests", "JSON-schema requests opened, by mode.", ["mode"], registry=r
+        )
+        self._keywords = Counter(
+            "ordinal_json_schema_keywords",
+            "JSON-schema requests using a keyword, by who enforces it: the grammar, the output check (checked mode) "
+            "or nobody (loose mode). A request counts once per keyword and enforcer.",
+            ["keyword", "enforced_by"],
+            registry=r,
+        )
+        self._violations = Counter(
+            "ordinal_json_schema_violations",
+            "Requests aborted because the output violated a keyword of its JSON schema (checked mode), by keyword.",
+            ["keyword"],
+            registry=r,
+        )
+
+    def schema_opened(self, request_id: str, enforcement: Enforcement) -> None:
+        self._requests.labels(enforcement.mode.value).inc()
+        for keyword in enforcement.enforced:
+            self._keywords.labels(keyword, "grammar").inc()
+        other = "check" if enforcement.mode is JsonSchemaMode.CHECKED else "nobody"
+        for keyword in enforcement.unenforced_keywords:
+            self._keywords.labels(keyword, other).inc()
+
+    def schema_violated(self, request_id: str, violation: Violation) -> None:
+        self._violations.labels(violation.keyword).inc()
 
 
 @dataclass(frozen=True)

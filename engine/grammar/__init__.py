@@ -3,7 +3,8 @@
 :class:`Constraint` names a grammar; :class:`ConstraintCompiler` compiles it (cached, off the caller's thread,
 bounded); :class:`VersionedMatcher` is one request's grammar state at its ordinal; :class:`GrammarRegistry`
 holds every open matcher and fences mask requests to the exact version they name. :class:`JsonSchemaPolicy`
-rewrites a JSON schema into a form xgrammar enforces exactly, or refuses it.
+rewrites a JSON schema into a form xgrammar enforces exactly; what it cannot make exact is refused
+(:class:`JsonSchemaMode` STRICT) or checked on the output (CHECKED, a :class:`Violation` ends the request).
 """
 
 from engine.grammar.compiler import (
@@ -16,7 +17,8 @@ from engine.grammar.compiler import (
     load_tokenizer_info,
     words_per_row,
 )
-from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.grammar.constraint import Constraint, ConstraintKind, JsonSchemaMode
+from engine.grammar.enforcement import Enforcement, EnforcementObserver
 from engine.grammar.matcher import (
     CommitResult,
     DraftTree,
@@ -38,6 +40,7 @@ from engine.grammar.registry import (
     mask_outcomes,
 )
 from engine.grammar.schema import JsonSchemaPolicy, PolicyOutcome, Unenforced, UnenforcedSchemaError
+from engine.grammar.violation import Violation
 
 __all__ = [
     "CommitEntry",
@@ -50,10 +53,13 @@ __all__ = [
     "ConstraintCompiler",
     "ConstraintKind",
     "DraftTree",
+    "Enforcement",
+    "EnforcementObserver",
     "GrammarProtocolError",
     "GrammarRegistry",
     "GrammarTimeoutError",
     "InvalidGrammarError",
+    "JsonSchemaMode",
     "JsonSchemaPolicy",
     "MaskEntry",
     "MaskFence",
@@ -66,6 +72,7 @@ __all__ = [
     "Unenforced",
     "UnenforcedSchemaError",
     "VersionedMatcher",
+    "Violation",
     "load_tokenizer_info",
     "mask_buffer",
     "mask_outcomes",

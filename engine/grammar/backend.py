@@ -13,8 +13,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from engine.grammar.compiler import ConstraintCompiler
+from engine.grammar.compiler import CompilerConfig, ConstraintCompiler
 from engine.grammar.constraint import Constraint
+from engine.grammar.enforcement import EnforcementObserver
 from engine.grammar.registry import (
     CommitEntry,
     CommitOutcome,
@@ -73,11 +74,20 @@ class LocalGrammar:
     """The grammar registry in this process (tests, benchmarks, a single-process engine).
 
     Built from a model folder lazily, on the first constrained request, so that an engine that never sees one
-    never loads a tokenizer for xgrammar."""
+    never loads a tokenizer for xgrammar. ``config`` chooses, among others, the default JSON-schema mode;
+    ``observer`` is told how JSON schemas are enforced (metrics)."""
 
-    def __init__(self, model_dir: str, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        config: CompilerConfig | None = None,
+        observer: EnforcementObserver | None = None,
+    ) -> None:
         self._model_dir = model_dir
         self._compile_timeout_s = compile_timeout_s
+        self._config = config if config is not None else CompilerConfig()
+        self._observer = observer
         self._lock = threading.Lock()
         self._registry: GrammarRegistry | None = None
 
@@ -85,7 +95,8 @@ class LocalGrammar:
     def registry(self) -> GrammarRegistry:
         with self._lock:
             if self._registry is None:
-                self._registry = GrammarRegistry(ConstraintCompiler.from_model_dir(self._model_dir))
+                compiler = ConstraintCompiler.from_model_dir(self._model_dir, self._config)
+                self._registry = GrammarRegistry(compiler, observer=self._observer)
             return self._registry
 
     def open(self, request_id: str, constraint: Constraint) -> None:

@@ -7,11 +7,12 @@ are cached by :attr:`Constraint.cache_key` and in-flight compiles are shared, so
 same schema (a tool list, ``json_object``) compiles it once. A grammar xgrammar refuses is cached as well: its
 refusal is as deterministic as a success, and recompiling it per request would only cost time.
 
-A JSON schema first goes through :class:`~engine.grammar.schema.JsonSchemaPolicy` (unless the compiler is
-configured loose): xgrammar 0.2.9 compiles some keywords into a grammar looser than the schema, so the schema is
-rewritten into a form xgrammar enforces exactly, or refused with the keywords and places it would not enforce.
-The constraint's text stays as the request gave it; only what xgrammar compiles is rewritten. One compiler has one
-config, so the cache key (the constraint's) needs nothing more.
+A JSON schema is compiled in its mode (the request's, else the config's; :mod:`engine.grammar.json_schema_compiler`):
+xgrammar 0.2.9 compiles some keywords into a grammar looser than the schema, so strict mode rewrites the schema into
+a form xgrammar enforces exactly or refuses it, checked mode compiles the closest such form and checks the rest on
+the output, loose mode compiles it as given. The constraint's text stays as the request gave it; only what xgrammar
+compiles is rewritten. One compiler has one config, so the cache key (the constraint's, mode included) needs nothing
+more.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from pathlib import Path
 import xgrammar as xgr
 
 from engine.errors import CheckpointError, InvalidRequestError
-from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.grammar.constraint import Constraint, ConstraintKind, JsonSchemaMode
+from engine.grammar.enforcement import Enforcement
+from engine.grammar.json_schema_compiler import JsonSchemaCompiler
 from engine.grammar.schema import JsonSchemaPolicy, UnenforcedSchemaError
+from engine.grammar.schema_check import SchemaCheck, SchemaCheckError
 
 BITS_PER_WORD = 32
 
@@ -101,6 +105,8 @@ class CompiledConstraint:
     constraint: Constraint
     grammar: xgr.CompiledGrammar
     compile_s: float  # wall time of the compile that produced it (a cache hit reports the original)
+    check: SchemaCheck | None = None  # checked mode: what every output is checked against
+    enforcement: Enforcement | None = None  # JSON schemas: what the grammar enforces and what it does not
 
     @property
     def vocab_size(self) -> int:
@@ -114,9 +120,10 @@ class CompilerConfig:
     workers: int = 2  # constraints compiled concurrently
     threads_per_compile: int = 2  # xgrammar's own threads inside one compile
     cache_entries: int = 512
-    # True: a JSON schema is enforced exactly or refused (JsonSchemaPolicy). False: it goes to xgrammar as given,
-    # which accepts every schema but enforces some keywords loosely (SGLang's behaviour).
-    strict_json_schema: bool = True
+    # How a JSON schema is served when the request does not say (JsonSchemaMode): CHECKED by default, since it
+    # accepts every schema xgrammar compiles (but for $refs to other documents) and never lets an invalid output
+    # finish with "stop"; STRICT refuses what xgrammar cannot enforce exactly; LOOSE is SGLang's behaviour.
+    json_schema_mode: JsonSchemaMode = JsonSchemaMode.CHECKED
     json_schema_policy: JsonSchemaPolicy = field(default_factory=JsonSchemaPolicy)
 
     def __post_init__(self) -> None:
@@ -140,6 +147,9 @@ class ConstraintCompiler:
         self._config = config
         # xgrammar's own cache is off: ours is keyed by constraint, bounded, and shares in-flight compiles.
         self._xgr = xgr.GrammarCompiler(tokenizer_info, max_threads=config.threads_per_compile, cache_enabled=False)
+        self._json_schemas = JsonSchemaCompiler(
+            self._xgr, tokenizer_info.decoded_vocab, config.json_schema_policy, config.json_schema_mode
+        )
         self._vocab_size = int(tokenizer_info.vocab_size)
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
@@ -205,43 +215,24 @@ class ConstraintCompiler:
     def _compile(self, constraint: Constraint) -> CompiledConstraint:
         start = time.perf_counter()
         try:
-            grammar = self._compile_xgrammar(constraint)
-        except InvalidGrammarError:
-            raise  # the JSON-schema policy's refusal, already in its final words
+            if constraint.kind is ConstraintKind.JSON_SCHEMA:
+                compiled = self._json_schemas.compile(constraint.text, constraint.json_schema_mode)
+                grammar, check, enforcement = compiled.grammar, compiled.check, compiled.enforcement
+            else:
+                grammar, check, enforcement = self._compile_xgrammar(constraint), None, None
+        except (UnenforcedSchemaError, SchemaCheckError) as error:  # the policy's refusal, in its final words
+            raise InvalidGrammarError(constraint.kind, str(error)) from None
         except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's refusals, whatever the language
             raise InvalidGrammarError(constraint.kind, clean_reason(str(error))) from None
-        return CompiledConstraint(constraint, grammar, time.perf_counter() - start)
+        return CompiledConstraint(constraint, grammar, time.perf_counter() - start, check, enforcement)
 
     def _compile_xgrammar(self, constraint: Constraint) -> xgr.CompiledGrammar:
         kind, text = constraint.kind, constraint.text
-        if kind is ConstraintKind.JSON_SCHEMA:
-            return self._compile_json_schema(text)
         if kind is ConstraintKind.REGEX:
             return self._xgr.compile_regex(text)
         if kind is ConstraintKind.EBNF:
             return self._xgr.compile_grammar(text)
         return self._xgr.compile_structural_tag(text)
-
-    def _compile_json_schema(self, text: str) -> xgr.CompiledGrammar:
-        prepared = self._json_schema_text(text)
-        try:
-            return self._xgr.compile_json_schema(prepared)
-        except (RuntimeError, ValueError, TypeError):
-            if prepared is not text:
-                # The client should read xgrammar's reason about the schema they wrote ("minimum greater than
-                # maximum"), not about our rewrite of it ("Schema 'false' cannot accept any value"): compile the
-                # original once more, only on this failure path; if it compiles after all, the rewrite's error stands.
-                self._xgr.compile_json_schema(text)
-            raise
-
-    def _json_schema_text(self, text: str) -> str:
-        """What xgrammar compiles for a JSON-schema constraint: the policy's rewrite, or the text as given."""
-        if not self._config.strict_json_schema:
-            return text
-        try:
-            return self._config.json_schema_policy.prepare(text)
-        except UnenforcedSchemaError as error:
-            raise InvalidGrammarError(ConstraintKind.JSON_SCHEMA, str(error)) from None
 
     def _evict_locked(self) -> None:
         """Drop the least recently used finished compiles beyond the cap; in-flight ones are never dropped."""

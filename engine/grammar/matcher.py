@@ -20,6 +20,8 @@ import xgrammar as xgr
 from engine.errors import ProtocolError
 from engine.grammar.compiler import CompiledConstraint, words_per_row
 from engine.grammar.constraint import Constraint
+from engine.grammar.output_checker import OutputChecker
+from engine.grammar.violation import Violation
 
 
 class Refusal(enum.Enum):
@@ -62,12 +64,15 @@ class CommitResult:
 
     ``terminated``: the grammar accepted a stop token (tokens after it were not fed, C6). ``rejected_token``:
     the first token the grammar refused; the matcher is finished and the request must be aborted (C13).
+    ``violation`` (checked mode): why it was refused when the grammar took it but the output check did not: the
+    output violates a keyword of its JSON schema (keyword, places and value), the words for the abort.
     """
 
     accepted: int
     terminated: bool
     rejected_token: int | None
     new_ordinal: int
+    violation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,9 @@ class VersionedMatcher:
       refused (the registry's fence turns "not reached yet" into a bounded wait).
     * C5: draft-tree masks are computed by a traversal that rolls back every token it tries.
     * C6: tokens after the one that terminates the grammar are reported as not accepted and never fed.
-    * C13: a refused token finishes the matcher; the result names it, the caller aborts the request.
+    * C13: a refused token finishes the matcher; the result names it, the caller aborts the request. In checked
+      mode a token the grammar accepts but whose output violates the JSON schema (:class:`OutputChecker`: a value
+      that closed, or the whole output at the stop token) is refused the same way, with the violation.
 
     A lock serialises commit, masks and release, so a mask is never computed from a half-applied commit.
     """
@@ -210,6 +217,8 @@ class VersionedMatcher:
         self._ordinal = 0
         self._state = MatcherState.ACTIVE
         self._rejected: tuple[int, int] | None = None  # (token, ordinal) of the refusal, for messages
+        self._checker = OutputChecker(compiled.check) if compiled.check is not None else None
+        self._violation: Violation | None = None
 
     @property
     def constraint(self) -> Constraint:
@@ -226,6 +235,11 @@ class VersionedMatcher:
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def violation(self) -> Violation | None:
+        """Checked mode: the violation of the JSON schema the matcher refused a token for, if any."""
+        return self._violation
 
     @property
     def words_per_row(self) -> int:
@@ -319,19 +333,37 @@ class VersionedMatcher:
         accepted = 0
         rejected: int | None = None
         handle, accept, is_terminated = self._handle, self._calls.accept_token, self._calls.is_terminated
+        checker = self._checker
         if self._state is MatcherState.ACTIVE:
             for token in tokens:
                 if not (0 <= token < self._vocab_size and accept(handle, token, False)):
-                    rejected = int(token)
-                    self._state = MatcherState.REJECTED
-                    self._rejected = (rejected, self._ordinal + accepted)
+                    rejected = self._reject(token, self._ordinal + accepted, None)
                     break
+                if token in self._stop_tokens:
+                    if is_terminated(handle):
+                        violation = checker.finish() if checker is not None else None
+                        if violation is not None:  # the stop token would end an output that breaks the schema
+                            rejected = self._reject(token, self._ordinal + accepted, violation)
+                            break
+                        accepted += 1
+                        self._state = MatcherState.TERMINATED
+                        break  # C6: whatever follows the stop token is not fed
+                elif checker is not None:
+                    violation = checker.feed(token)
+                    if violation is not None:
+                        rejected = self._reject(token, self._ordinal + accepted, violation)
+                        break
                 accepted += 1
-                if token in self._stop_tokens and is_terminated(handle):
-                    self._state = MatcherState.TERMINATED
-                    break  # C6: whatever follows the stop token is not fed
         self._ordinal += accepted
-        return CommitResult(accepted, self._state is MatcherState.TERMINATED, rejected, self._ordinal)
+        violation_text = self._violation.describe() if self._violation is not None and rejected is not None else None
+        return CommitResult(accepted, self._state is MatcherState.TERMINATED, rejected, self._ordinal, violation_text)
+
+    def _reject(self, token: int, ordinal: int, violation: Violation | None) -> int:
+        """Finish the matcher on a refused token (C13); returns the token."""
+        self._state = MatcherState.REJECTED
+        self._rejected = (int(token), ordinal)
+        self._violation = violation
+        return int(token)
 
     def _check_mask(self, at_ordinal: int) -> None:
         refusal = self._mask_refusal(at_ordinal)
@@ -367,6 +399,8 @@ class VersionedMatcher:
 
     def _rejection(self) -> str:
         token, ordinal = self._rejected if self._rejected is not None else (-1, -1)
+        if self._violation is not None:
+            return f"token {token} at ordinal {ordinal} was refused: {self._violation.describe()}"
         return f"the grammar refused token {token} at ordinal {ordinal}"
 
 

@@ -5,7 +5,7 @@ a tree that the policy can measure and rewrite: fold a string's length bounds in
 (:meth:`Regex.with_length`), decide whether two patterns can match one string (:meth:`Regex.disjoint`, a product
 automaton with Python's search semantics), and write the pattern in the form xgrammar 0.2.9 compiles exactly
 (:func:`for_xgrammar`: long repetitions in chunks, which also avoids a mask bug of xgrammar's). The policy
-(``engine/grammar/schema.py``) says which rewrite applies when.
+(``engine/grammar/schema/``) says which rewrite applies when.
 """
 
 from __future__ import annotations

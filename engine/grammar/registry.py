@@ -14,6 +14,7 @@ condition variable (in-process callers); the grammar service waits on the loop i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +26,7 @@ import torch
 
 from engine.grammar.compiler import CompiledConstraint, ConstraintCompiler
 from engine.grammar.constraint import Constraint
+from engine.grammar.enforcement import EnforcementObserver, LoggingObserver
 from engine.grammar.matcher import (
     CommitResult,
     DraftTree,
@@ -34,6 +36,8 @@ from engine.grammar.matcher import (
     VersionedMatcher,
     fill_mask_rows,
 )
+
+log = logging.getLogger(__name__)
 
 # Released ids remembered so that a late call is answered RELEASED rather than UNKNOWN; bounded (C9: nothing
 # per request may outlive the service's baseline by more than this fixed-size memory).
@@ -122,7 +126,8 @@ class GrammarRegistry:
     """All open matchers of one grammar service, keyed by request id.
 
     Thread-safe. ``on_change`` (if given) is called after every commit batch and release, from the thread that
-    made the change, so that an asyncio fence can wake up; it must not block.
+    made the change, so that an asyncio fence can wake up; it must not block. ``observer`` (if given) is told, besides
+    the log, how each JSON-schema request's schema is enforced and of each violation checked mode finds.
     """
 
     def __init__(
@@ -131,10 +136,12 @@ class GrammarRegistry:
         *,
         released_memory: int = DEFAULT_RELEASED_MEMORY,
         on_change: Callable[[], None] | None = None,
+        observer: EnforcementObserver | None = None,
     ) -> None:
         self._compiler = compiler
         self._released_memory = released_memory
         self._on_change = on_change
+        self._observers: list[EnforcementObserver] = [LoggingObserver(), *([] if observer is None else [observer])]
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._generation = 0  # bumped by every commit batch and release; fences wait for it to move
@@ -191,6 +198,9 @@ class GrammarRegistry:
                 raise GrammarProtocolError(Refusal.ALREADY_OPEN, f"{request_id}: a grammar is already open")
             self._open[request_id] = matcher
             self._released.pop(request_id, None)  # the id names a new grammar now
+        if compiled.enforcement is not None:
+            enforcement = compiled.enforcement
+            self._tell(lambda observer: observer.schema_opened(request_id, enforcement))
         return matcher
 
     # ---------------------------------------------------------------- commit
@@ -210,7 +220,11 @@ class GrammarRegistry:
         if not isinstance(matcher, VersionedMatcher):
             return CommitOutcome(None, *matcher)
         try:
-            return CommitOutcome(matcher.commit(entry.from_ordinal, entry.tokens))
+            result = matcher.commit(entry.from_ordinal, entry.tokens)
+            violation = matcher.violation
+            if result.violation is not None and violation is not None:
+                self._tell(lambda observer: observer.schema_violated(entry.request_id, violation))
+            return CommitOutcome(result)
         except GrammarProtocolError as refused:
             return CommitOutcome(None, refused.code, str(refused))
         except Exception as error:  # xgrammar failed: report it on this entry only
@@ -352,6 +366,14 @@ class GrammarRegistry:
         return None
 
     # ---------------------------------------------------------------- internals
+
+    def _tell(self, event: Callable[[EnforcementObserver], None]) -> None:
+        """Report to every observer; one that fails is logged, never allowed to fail the grammar call."""
+        for observer in self._observers:
+            try:
+                event(observer)
+            except Exception:
+                log.exception("grammar observer %r failed", observer)
 
     def _lookup(self, request_id: str) -> VersionedMatcher:
         with self._lock:

@@ -1,7 +1,8 @@
 """``python -m services.grammar``: load the model's tokenizer, serve grammars, print ``GRAMMAR_READY port=<port>``.
 
 The launcher waits for that line on stdout. SIGTERM or SIGINT stops the server (open grammars are dropped with
-it), then the compiler.
+it), then the compiler. ``--json-schema`` chooses how JSON schemas are served when a request does not say;
+``--metrics-port`` serves Prometheus metrics (JSON-schema keywords by enforcer, violations; 0 = off).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.grammar import CompilerConfig, ConstraintCompiler
+from engine.grammar import CompilerConfig, ConstraintCompiler, EnforcementObserver, JsonSchemaMode
 from engine.model.embedded import ensure_embedded_model
 from services.grammar.server import GrammarServiceConfig, start_grammar
+from services.launcher import add_json_schema_args, json_schema_mode
+from services.metrics import GrammarMetrics, serve_metrics
 
 READY_LINE = "GRAMMAR_READY port={port}"
 
@@ -41,12 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a mask waits for its commit when a request leaves deadline_ms unset",
     )
     parser.add_argument(
-        "--loose-json-schema",
-        action="store_true",
-        help="compile JSON schemas as given, even those using keywords xgrammar does not enforce exactly "
-        "(uniqueItems, overlapping oneOf, ...): outputs may then violate the schema; by default such schemas are "
-        "refused with the keywords and places named",
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port at /metrics (0 = off)"
     )
+    add_json_schema_args(parser)
     parser.add_argument("--log-level", default="INFO", help="logging level")
     return parser
 
@@ -57,8 +57,14 @@ def model_dir(args: argparse.Namespace) -> Path:
     return ensure_embedded_model(Path(args.cache_dir) if args.cache_dir else None)
 
 
-async def serve(compiler: ConstraintCompiler, host: str, port: int, config: GrammarServiceConfig) -> None:
-    server = await start_grammar(compiler, host, port, config)
+async def serve(
+    compiler: ConstraintCompiler,
+    host: str,
+    port: int,
+    config: GrammarServiceConfig,
+    observer: EnforcementObserver | None = None,
+) -> None:
+    server = await start_grammar(compiler, host, port, config, observer)
     print(READY_LINE.format(port=server.port), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -71,13 +77,18 @@ async def serve(compiler: ConstraintCompiler, host: str, port: int, config: Gram
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    compiler_config = CompilerConfig(workers=args.compile_workers, strict_json_schema=not args.loose_json_schema)
+    mode = JsonSchemaMode(json_schema_mode(args))
+    compiler_config = CompilerConfig(workers=args.compile_workers, json_schema_mode=mode)
     compiler = ConstraintCompiler.from_model_dir(model_dir(args), compiler_config)
     config = GrammarServiceConfig(fence_deadline_s=args.fence_deadline_ms / 1000.0, workers=args.workers)
+    metrics = GrammarMetrics()
+    metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
     try:
-        asyncio.run(serve(compiler, args.host, args.port, config))
+        asyncio.run(serve(compiler, args.host, args.port, config, metrics))
     finally:
         compiler.shutdown()
+        if metrics_server is not None:
+            metrics_server.close()
     return 0
 
 

@@ -20,6 +20,7 @@ from engine.grammar import (
     ConstraintKind,
     DraftTree,
     GrammarProtocolError,
+    JsonSchemaMode,
     MaskEntry,
     MaskOutcome,
     MaskRefusals,
@@ -55,6 +56,12 @@ _KINDS: dict[ConstraintKind, pb.ConstraintKind] = {
     ConstraintKind.STRUCTURAL_TAG: pb.STRUCTURAL_TAG,
 }
 _KINDS_BACK: dict[pb.ConstraintKind, ConstraintKind] = {v: k for k, v in _KINDS.items()}
+_MODES: dict[JsonSchemaMode, pb.JsonSchemaMode] = {
+    JsonSchemaMode.STRICT: pb.JSON_SCHEMA_STRICT,
+    JsonSchemaMode.CHECKED: pb.JSON_SCHEMA_CHECKED,
+    JsonSchemaMode.LOOSE: pb.JSON_SCHEMA_LOOSE,
+}
+_MODES_BACK: dict[pb.JsonSchemaMode, JsonSchemaMode] = {v: k for k, v in _MODES.items()}
 
 
 def refusal_from_code(code: pb.EntryCode, what: str) -> Refusal:
@@ -68,15 +75,25 @@ def refusal_from_code(code: pb.EntryCode, what: str) -> Refusal:
 
 
 def constraint_to_proto(constraint: Constraint) -> pb.Constraint:
-    return pb.Constraint(kind=_KINDS[constraint.kind], text=constraint.text)
+    mode = constraint.json_schema_mode
+    return pb.Constraint(
+        kind=_KINDS[constraint.kind],
+        text=constraint.text,
+        json_schema_mode=_MODES[mode] if mode is not None else pb.JSON_SCHEMA_MODE_UNSPECIFIED,
+    )
 
 
 def constraint_from_proto(message: pb.Constraint) -> Constraint:
-    """Raises InvalidRequestError for an unset kind or an empty text."""
+    """Raises InvalidRequestError for an unset kind, an empty text, an unknown mode or a mode on another kind."""
     kind = _KINDS_BACK.get(message.kind)
     if kind is None:
         raise InvalidRequestError("constraint.kind", f"must be one of {[k.name for k in _KINDS]}")
-    return Constraint(kind, message.text)
+    mode = None
+    if message.json_schema_mode != pb.JSON_SCHEMA_MODE_UNSPECIFIED:
+        mode = _MODES_BACK.get(message.json_schema_mode)
+        if mode is None:
+            raise InvalidRequestError("constraint.json_schema_mode", f"unknown mode {message.json_schema_mode}")
+    return Constraint(kind, message.text, mode)
 
 
 # ---------------------------------------------------------------- commits
@@ -100,6 +117,8 @@ def commit_outcome_to_proto(outcome: CommitOutcome) -> pb.CommitResult:
     )
     if result.rejected_token is not None:
         message.rejected_token = result.rejected_token
+    if result.violation is not None:
+        message.violation = result.violation
     return message
 
 
@@ -107,7 +126,8 @@ def commit_outcome_from_proto(message: pb.CommitResult, request_id: str) -> Comm
     if message.code != pb.OK:
         return CommitOutcome(None, refusal_from_code(message.code, request_id), message.message)
     rejected = message.rejected_token if message.HasField("rejected_token") else None
-    return CommitOutcome(CommitResult(message.accepted, message.terminated, rejected, message.new_ordinal))
+    violation = message.violation if message.HasField("violation") else None
+    return CommitOutcome(CommitResult(message.accepted, message.terminated, rejected, message.new_ordinal, violation))
 
 
 # ---------------------------------------------------------------- masks

@@ -30,6 +30,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar import (
     CompiledConstraint,
     ConstraintCompiler,
+    EnforcementObserver,
     GrammarProtocolError,
     GrammarRegistry,
     InvalidGrammarError,
@@ -108,10 +109,12 @@ class ChangeSignal:
 class GrammarServicer(pb_grpc.GrammarServicer):
     """Translates the grammar protocol to registry calls; every per-entry refusal becomes that entry's code."""
 
-    def __init__(self, compiler: ConstraintCompiler, config: GrammarServiceConfig) -> None:
+    def __init__(
+        self, compiler: ConstraintCompiler, config: GrammarServiceConfig, observer: EnforcementObserver | None = None
+    ) -> None:
         self._config = config
         self._signal = ChangeSignal(asyncio.get_running_loop())
-        self.registry = GrammarRegistry(compiler, on_change=self._signal.notify_threadsafe)
+        self.registry = GrammarRegistry(compiler, on_change=self._signal.notify_threadsafe, observer=observer)
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grammar")
 
     def close(self) -> None:
@@ -310,9 +313,11 @@ async def start_grammar(
     host: str = "127.0.0.1",
     port: int = 0,
     config: GrammarServiceConfig = GrammarServiceConfig(),
+    observer: EnforcementObserver | None = None,
 ) -> GrammarServer:
-    """Serve grammars compiled by ``compiler`` on ``host:port`` (0 picks a free port) until stopped."""
-    servicer = GrammarServicer(compiler, config)
+    """Serve grammars compiled by ``compiler`` on ``host:port`` (0 picks a free port) until stopped. ``observer``
+    is told how each JSON schema is enforced and of each violation (metrics)."""
+    servicer = GrammarServicer(compiler, config, observer)
     server, bound, health = await start_serving(
         lambda s: pb_grpc.add_GrammarServicer_to_server(servicer, s), SERVICE_NAME, host, port, SERVER_OPTIONS
     )
@@ -332,12 +337,14 @@ class GrammarThread:
         port: int = 0,
         config: GrammarServiceConfig = GrammarServiceConfig(),
         timeout: float = 30.0,
+        observer: EnforcementObserver | None = None,
     ) -> None:
         self._timeout = timeout
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ordinal-grammar-grpc", daemon=True)
         self._thread.start()
-        start = asyncio.run_coroutine_threadsafe(start_grammar(compiler, host, port, config), self._loop)
+        started = start_grammar(compiler, host, port, config, observer)
+        start = asyncio.run_coroutine_threadsafe(started, self._loop)
         self.server = start.result(timeout)
         self.port = self.server.port
 

@@ -6,8 +6,8 @@ serving; SIGTERM or SIGINT stops it cleanly. ``--metrics-port`` serves Prometheu
 
 Constrained decoding: ``--grammar HOST:PORT`` opens, commits and releases every constrained request's grammar in
 that grammar service (a remote executor must be started with the same one). Without it an in-process executor
-gets an in-process grammar registry; a remote executor without a grammar service cannot serve constraints, and
-constrained requests are refused.
+gets an in-process grammar registry (JSON schemas read as ``--json-schema`` says, its metrics on the scheduler's
+port); a remote executor without a grammar service cannot serve constraints, and constrained requests are refused.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from collections.abc import Sequence
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.grammar import CompilerConfig, JsonSchemaMode
+from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import model_vocab_size
 from engine.runner import StepRunner, model_dir
 from services.grammar_client import GrammarServiceError, RemoteGrammar
-from services.launcher import DEFAULT_PORT, add_engine_args, engine_config
-from services.metrics import SchedulerMetrics, serve_metrics
+from services.launcher import DEFAULT_PORT, add_engine_args, add_json_schema_args, engine_config, json_schema_mode
+from services.metrics import GrammarMetrics, SchedulerMetrics, serve_metrics
 from services.scheduler.server import SchedulerServer
 
 
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight RPCs get on stop")
     add_engine_args(parser)
+    add_json_schema_args(parser)  # for the in-process grammar registry; a grammar service has its own
     return parser
 
 
@@ -68,10 +71,16 @@ def _runner(args: argparse.Namespace) -> StepRunner | None:
     return runner
 
 
-def _grammar(args: argparse.Namespace, config: EngineConfig, runner: StepRunner | None) -> RemoteGrammar | None:
-    """The grammar service of ``--grammar``, checked to mask exactly the model's vocabulary; None without it."""
+def _grammar(
+    args: argparse.Namespace, config: EngineConfig, runner: StepRunner | None, metrics: GrammarMetrics
+) -> RemoteGrammar | LocalGrammar | None:
+    """The grammar service of ``--grammar``, checked to mask exactly the model's vocabulary; without it an
+    in-process registry when the model is loaded here too, else None (constraints refused)."""
     if args.grammar is None:
-        return None  # Engine builds an in-process grammar registry when it also loads the model itself
+        if runner is not None:
+            return None
+        compiler = CompilerConfig(json_schema_mode=JsonSchemaMode(json_schema_mode(args)))
+        return LocalGrammar(str(model_dir(config)), config=compiler, observer=metrics)
     vocab = runner.info.vocab_size if runner is not None else model_vocab_size(model_dir(config))
     try:
         return RemoteGrammar.connect(args.grammar, args.grammar_timeout, vocab_size=vocab)
@@ -97,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = SchedulerMetrics()
     config = engine_config(args)
     runner = _runner(args)
-    grammar = _grammar(args, config, runner)
+    grammar = _grammar(args, config, runner, GrammarMetrics(metrics.registry))
     engine = Engine(config, runner, observer=metrics, grammar=grammar)
     metrics.watch(engine.stats)
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
@@ -105,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(_serve(engine, args))
     finally:
         engine.shutdown()
-        if grammar is not None:
+        if isinstance(grammar, RemoteGrammar):
             grammar.close()
         if metrics_server is not None:
             metrics_server.close()

@@ -10,7 +10,10 @@ Proto3 has no presence for plain scalars, so a zero can mean "unset" or "zero". 
 - ``max_new_tokens`` is ``optional``: absent means "as many as fit", i.e. the context length minus the prompt,
   capped by what the KV pool can ever hold for one request (SGLang's semantics when a client gives none).
 - the ``constraint`` oneof (``json_schema``, ``regex``, ``ebnf_grammar``, ``structural_tag``) becomes an engine
-  :class:`~engine.grammar.Constraint`, its text verbatim; whether it compiles is the engine's to say.
+  :class:`~engine.grammar.Constraint`, its text verbatim; whether it compiles is the engine's to say. A JSON schema's
+  mode (strict, checked, loose) may be chosen per request as ``custom_params {"json_schema_mode": ...}``, the one
+  field of the public API that can carry it (smg never sets it; its requests get the grammar service's default);
+  other ``custom_params`` keys are ignored, as SGLang leaves them to custom logit processors.
 
 Field names in error details are the proto's (``sampling_params.top_p``, ``tokenized.input_ids``) so that a
 client can find what to fix.
@@ -30,7 +33,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.grammar.constraint import Constraint
+from engine.grammar.constraint import Constraint, JsonSchemaMode
+from engine.grammar.schema import MODE_PARAM
 from engine.request import RequestOutput, TokenLogprob
 from engine.runner import ModelInfo
 from engine.sampling_params import SamplingParams
@@ -135,12 +139,29 @@ def _prompt_ids(request: pb.GenerateRequest) -> tuple[int, ...]:
 def _constraint(sp: pb.SamplingParams | None) -> tuple[str | None, Constraint | None]:
     """The ``constraint`` oneof as (field name, engine constraint); (None, None) when none is set."""
     field = sp.WhichOneof("constraint") if sp is not None else None
+    mode = _json_schema_mode(sp)
     if sp is None or field is None:
+        if mode is not None:
+            raise InvalidRequestError(f"custom_params.{MODE_PARAM}", "applies to a json_schema constraint: none is set")
         return None, None
+    if mode is not None and field != "json_schema":
+        raise InvalidRequestError(f"custom_params.{MODE_PARAM}", f"applies to json_schema constraints, not to {field}")
     try:
-        return field, Constraint.from_public_field(field, getattr(sp, field))
+        return field, Constraint.from_public_field(field, getattr(sp, field), mode)
     except InvalidRequestError as exc:  # e.g. an empty grammar: name the proto field, not the engine's
         raise InvalidRequestError(field, exc.message) from None
+
+
+def _json_schema_mode(sp: pb.SamplingParams | None) -> JsonSchemaMode | None:
+    """The request's JSON-schema mode from ``custom_params``, or None (the grammar service's default)."""
+    if sp is None or not sp.HasField("custom_params") or MODE_PARAM not in sp.custom_params.fields:
+        return None
+    value = sp.custom_params.fields[MODE_PARAM]
+    if value.WhichOneof("kind") != "string_value":
+        raise InvalidRequestError(
+            f"custom_params.{MODE_PARAM}", f"must be a string, one of {[m.value for m in JsonSchemaMode]}"
+        )
+    return JsonSchemaMode.parse(value.string_value, f"custom_params.{MODE_PARAM}")
 
 
 def invalid_grammar_details(field: str | None, message: str | None) -> str:

@@ -367,3 +367,55 @@ def test_no_matcher_left_open_after_aborts_and_bad_grammars(engine: Engine) -> N
     _assert_drained(engine)
     registry = engine.grammar.inner.registry if isinstance(engine.grammar, DelegatingGrammar) else None
     assert registry is not None and registry.num_waiting == 0
+
+
+# The grammar leaves exactly one output for each (whitespace aside, which the bias below rules out): [1, 1], whose
+# items are not unique, and [1, 2], whose are. uniqueItems is the checked keyword: xgrammar cannot enforce it.
+FORCED_DUPLICATE = {
+    "type": "array",
+    "prefixItems": [{"const": 1}, {"const": 1}],
+    "items": False,
+    "minItems": 2,
+    "uniqueItems": True,
+}
+FORCED_UNIQUE = {
+    "type": "array",
+    "prefixItems": [{"const": 1}, {"const": 2}],
+    "items": False,
+    "minItems": 2,
+    "uniqueItems": True,
+}
+
+
+def test_checked_mode_aborts_a_violating_output_naming_the_keyword_and_stops_a_valid_one(
+    engine: Engine, embedded_model_dir: Path
+) -> None:
+    """Checked JSON-schema mode (the default) end to end: an output that violates a checked keyword ends with an
+    abort (cause GRAMMAR) whose message names keyword, place and value, and keeps nothing of the token that completed
+    the offending value; an output that satisfies it ends with "stop" and validates; a plain request next to them
+    finishes as usual. Fails if the output check is removed: the first output would end with "stop" on ``[1, 1]``."""
+    info = load_tokenizer_info(embedded_model_dir)
+    no_whitespace = SamplingParams.logit_bias_from(
+        {i: -100.0 for i, piece in enumerate(info.decoded_vocab) if piece and not piece.strip()}
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=32, logit_bias=no_whitespace)
+    prompt = tuple(engine.tokenizer.encode("Reply with JSON."))
+    jobs = [
+        Job("duplicate", prompt, params, Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(FORCED_DUPLICATE))),
+        Job("unique", prompt, params, Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(FORCED_UNIQUE))),
+        Job("plain", prompt, SamplingParams(temperature=0.0, max_new_tokens=8), None),
+    ]
+    streams = _run(engine, jobs)
+    duplicate = streams["duplicate"].final
+    assert duplicate.finish is not None and duplicate.finish.reason is FinishReason.ABORT
+    assert duplicate.finish.cause is AbortCause.GRAMMAR and duplicate.finish.message is not None
+    assert "the output violates uniqueItems at / of the JSON schema (checked on the output)" in duplicate.finish.message
+    assert "[1, 1] has non-unique elements" in duplicate.finish.message
+    kept = engine.tokenizer.decode(list(duplicate.output_ids or ()), skip_special_tokens=True)
+    assert kept.replace(" ", "") == "[1,1"  # the "]" that completed the duplicate pair was refused
+    unique = streams["unique"].final
+    assert unique.finish is not None and unique.finish.reason is FinishReason.STOP
+    text = engine.tokenizer.decode(list(unique.output_ids or ()), skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), FORCED_UNIQUE)
+    plain = streams["plain"].final.finish
+    assert plain is not None and plain.reason is FinishReason.LENGTH

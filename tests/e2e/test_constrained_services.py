@@ -244,6 +244,67 @@ def test_empty_grammar_names_the_field(stack: Stack) -> None:
     assert (err.value.details() or "").startswith("sampling_params.regex: ")
 
 
+# ---------------------------------------------------------------------------------------------------- checked mode
+
+# The grammar leaves exactly one output, [1, 1] (whitespace aside, which the bias rules out), whose items are not
+# unique: uniqueItems is the keyword xgrammar cannot enforce, so checked mode checks it on the output.
+DUPLICATE_PAIR = {
+    "type": "array",
+    "prefixItems": [{"const": 1}, {"const": 1}],
+    "items": False,
+    "minItems": 2,
+    "uniqueItems": True,
+}
+
+
+def no_whitespace(tokenizer: Tokenizer) -> dict[str, float]:
+    """A logit bias that rules out every whitespace-only token (the public API keys token ids as strings)."""
+    pieces = {i: tokenizer.decode([i]) for i in range(tokenizer.vocab_size)}
+    return {str(i): -100.0 for i, piece in pieces.items() if piece and not piece.strip()}
+
+
+def test_checked_violation_crosses_the_grammar_service_and_the_mode_is_chosen_per_request(
+    stack: Stack, tokenizer: Tokenizer
+) -> None:
+    """Checked mode (the service's default) through the grammar service: the violation comes back in the commit's
+    result over gRPC and the engine ends the request with an abort naming keyword, place and value; the public API
+    answers finish_reason "abort". ``custom_params {"json_schema_mode": ...}`` chooses the mode per request: strict
+    refuses the schema (INVALID_ARGUMENT naming the keyword and checked mode as the way out), loose lets the invalid
+    output stop (SGLang's behaviour), an unknown mode is refused naming the field."""
+    ids = chat_ids(tokenizer, "Two ones, as JSON.")
+    bias = no_whitespace(tokenizer)
+    schema = json.dumps(DUPLICATE_PAIR)
+    params = SamplingParams(
+        temperature=0.0,
+        max_new_tokens=16,
+        logit_bias=SamplingParams.logit_bias_from({int(k): v for k, v in bias.items()}),
+    )
+    (out,) = stack.engine.generate_batch([ids], [params], TIMEOUT, [Constraint(ConstraintKind.JSON_SCHEMA, schema)])
+    assert out.finish is not None and out.finish.cause is AbortCause.GRAMMAR and out.finish.message is not None
+    assert "violates uniqueItems at / of the JSON schema (checked on the output)" in out.finish.message
+
+    def ask(mode: str | None) -> pb.GenerateRequest:
+        req = request(ids, temperature=0.0, max_new_tokens=16, json_schema=schema)
+        req.sampling_params.logit_bias.update(bias)
+        if mode is not None:
+            req.sampling_params.custom_params.update({"json_schema_mode": mode})
+        return req
+
+    assert [c.finish_reason for c in completes(stack.stub, ask(None))] == ["abort"]
+    assert [c.finish_reason for c in completes(stack.stub, ask("checked"))] == ["abort"]
+    (loose,) = completes(stack.stub, ask("loose"))
+    assert loose.finish_reason == "stop" and json.loads(text_of(tokenizer, loose)) == [1, 1]
+    for mode, expected in (
+        ("strict", "uniqueItems at /"),
+        ("lenient", "sampling_params.custom_params.json_schema_mode"),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            completes(stack.stub, ask(mode))
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and expected in (err.value.details() or "")
+    assert "choose checked mode" in (err.value.details() or "") or mode == "lenient"
+    assert_drained(stack)
+
+
 # ---------------------------------------------------------------------------------------------------- overlap
 
 

@@ -1,22 +1,26 @@
-"""150 real-world JSON schemas (JSONSchemaBench, ``../shared/jsonschemabench``) through the split services.
+"""150 real-world JSON schemas (JSONSchemaBench, ``../shared/jsonschemabench``) through the split services, in checked
+mode (the default) and in strict mode, in one batch.
 
 One grammar service, one executor (masks from the grammar service) and one engine driving them over gRPC: every
-schema is submitted at once (seeded sampling, temperature 0.7, up to 256 new tokens) so the batch runs together.
+schema is submitted twice at once, once per mode (the request's ``json_schema_mode``), with seeded sampling at
+temperature 0.7 and up to 256 new tokens, so that the whole batch runs together.
 
-Each schema either compiles, or is refused: the grammar service answers Open with INVALID_ARGUMENT and the engine
-ends the request with an INVALID_GRAMMAR finish carrying the reason (the JSON-schema policy's, naming the keywords
-xgrammar would not enforce, or xgrammar's own); every refused schema is also sent through the scheduler's public gRPC
-API, which must answer INVALID_ARGUMENT with the same reason. Then:
+Checked mode (engine/grammar/json_schema_compiler.py):
 
-- an output that finishes with "stop" is JSON that validates with ``jsonschema`` (the draft its ``$schema`` names,
-  else 2020-12): no exception, since the policy (engine/grammar/schema.py) rewrites or refuses whatever xgrammar
-  would enforce loosely;
-- an output cut by the length limit is accepted token by token by a fresh matcher of the compiled schema;
-- no request ends with the grammar refusing a token at commit (C13): that happened only where xgrammar's mask
-  allowed a token its own matcher refused (Github_hard--o79409, a class of ~500 Unicode ranges repeated {1,200}),
-  and the policy now writes such counts in chunks that xgrammar handles consistently.
+- a schema is refused only when xgrammar itself cannot compile it (checked here with a compiler of our own);
+- every output that finishes with "stop" is JSON that validates with ``jsonschema`` (the draft its ``$schema``
+  names, else 2020-12);
+- every abort for a violation names a keyword the grammar did not enforce (its message says "checked on the
+  output"; the list is printed), and no request ends with the grammar refusing a token its mask allowed;
+- an output cut by the length limit is accepted token by token by a fresh matcher of the same grammar.
 
-The counts are printed (always); the reason of each refused schema with ``-s``.
+Strict mode (unchanged): a schema either compiles or is refused, the refusal naming the keywords xgrammar would not
+enforce (or xgrammar's own reason), and every refused schema is refused by the scheduler's public gRPC API as well,
+with INVALID_ARGUMENT and the same reason; "stop" outputs validate, cut outputs are accepted by a fresh matcher,
+and no token is refused at commit (Github_hard--o79409 once was: a class of ~500 Unicode ranges repeated {1,200},
+where xgrammar's mask allowed tokens its own matcher refused; the policy now writes such counts in chunks).
+
+The counts are printed (always); the reason of each refused schema and each violation with ``-s``.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.grammar import CompilerConfig, ConstraintCompiler, JsonSchemaPolicy, load_tokenizer_info
+from engine.grammar import CompilerConfig, ConstraintCompiler, JsonSchemaMode, JsonSchemaPolicy, load_tokenizer_info
 from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.grammar.json_schema_compiler import JsonSchemaCompiler
 from engine.model.tokenizer import Tokenizer
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -50,9 +55,10 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO.parent / "shared" / "jsonschemabench"
-TIMEOUT = 600.0
+TIMEOUT = 900.0
 POLICY = JsonSchemaPolicy()
 MAX_NEW_TOKENS = 256
+MODES = (JsonSchemaMode.CHECKED, JsonSchemaMode.STRICT)
 
 
 @pytest.fixture(scope="module")
@@ -70,19 +76,29 @@ def files() -> list[Path]:
 
 class FreshMatchers:
     """Our own xgrammar compiler (not the service's), for matchers that judge the outputs independently. They
-    compile what the service compiles: the policy's rewrite of the schema."""
+    compile what the service compiles: the schema in its mode."""
 
     def __init__(self, model_dir: str) -> None:
         info = load_tokenizer_info(model_dir)
-        self._compiler = xgr.GrammarCompiler(info)
+        self.xgr = xgr.GrammarCompiler(info)
+        self._schemas = {
+            mode: JsonSchemaCompiler(self.xgr, info.decoded_vocab, POLICY, mode) for mode in JsonSchemaMode
+        }
 
-    def matcher(self, schema_text: str) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(self._compiler.compile_json_schema(POLICY.prepare(schema_text)))
+    def matcher(self, schema_text: str, mode: JsonSchemaMode) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(self._schemas[mode].compile(schema_text, None).grammar)
 
-    def accepts(self, schema_text: str, ids: list[int]) -> tuple[bool, bool]:
+    def accepts(self, schema_text: str, mode: JsonSchemaMode, ids: list[int]) -> tuple[bool, bool]:
         """(every token accepted in order, the matcher terminated afterwards)."""
-        matcher = self.matcher(schema_text)
+        matcher = self.matcher(schema_text, mode)
         return all(matcher.accept_token(t) for t in ids), matcher.is_terminated()
+
+    def compiles_as_given(self, schema_text: str) -> bool:
+        try:
+            self.xgr.compile_json_schema(schema_text)
+        except RuntimeError:
+            return False
+        return True
 
 
 # ---------------------------------------------------------------------------------------------------- the stack
@@ -91,7 +107,7 @@ class FreshMatchers:
 @pytest.fixture(scope="module")
 def split(files: list[Path], embedded_model_dir: Path) -> Iterator[Stack]:
     config = EngineConfig(
-        model_path=str(embedded_model_dir), page_size=16, num_pages=4096, max_running=160, chunk_size=512
+        model_path=str(embedded_model_dir), page_size=16, num_pages=8192, max_running=300, chunk_size=512
     )
     compiler = ConstraintCompiler.from_model_dir(str(embedded_model_dir), CompilerConfig(workers=2))
     grammar = GrammarThread(compiler)
@@ -107,12 +123,14 @@ def split(files: list[Path], embedded_model_dir: Path) -> Iterator[Stack]:
 
 
 def refused_by_public_api(stub: pb_grpc.SglangSchedulerStub, schema_text: str) -> str:
+    """The public API's refusal of ``schema_text`` in strict mode (the request's custom_params choose it)."""
     request = pb.GenerateRequest(
         tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]),
         sampling_params=pb.SamplingParams(
             temperature=0.7, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=1, max_new_tokens=4, json_schema=schema_text
         ),
     )
+    request.sampling_params.custom_params.update({"json_schema_mode": "strict"})
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(request, timeout=60))
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, err.value
@@ -130,48 +148,53 @@ def validation_error(schema: Any, text: str) -> str | None:
     return None if error is None else f"{error.message[:200]} (at {list(error.absolute_path)})"
 
 
-def test_every_schema_compiles_or_is_refused_and_outputs_follow_it(
+def test_every_schema_in_checked_and_strict_mode(
     files: list[Path], split: Stack, embedded_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     texts = [f.read_text(encoding="utf-8") for f in files]
     tokenizer = Tokenizer.from_dir(embedded_model_dir)
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Reply with JSON."}]))
-    params = [SamplingParams(temperature=0.7, seed=i, max_new_tokens=MAX_NEW_TOKENS) for i in range(len(files))]
-    constraints: list[Constraint | None] = [Constraint(ConstraintKind.JSON_SCHEMA, t) for t in texts]
-    outs = split.engine.generate_batch([prompt] * len(files), params, TIMEOUT, constraints)
+    jobs = [(mode, i) for mode in MODES for i in range(len(files))]
+    params = [SamplingParams(temperature=0.7, seed=i, max_new_tokens=MAX_NEW_TOKENS) for _, i in jobs]
+    constraints: list[Constraint | None] = [Constraint(ConstraintKind.JSON_SCHEMA, texts[i], mode) for mode, i in jobs]
+    outs = split.engine.generate_batch([prompt] * len(jobs), params, TIMEOUT, constraints)
 
     fresh = FreshMatchers(str(embedded_model_dir))
-    counts: Counter[str] = Counter()
+    counts: dict[JsonSchemaMode, Counter[str]] = {mode: Counter() for mode in MODES}
     refused_for: Counter[str] = Counter()
-    rewrites: Counter[str] = Counter()
+    violated: Counter[str] = Counter()
     problems: list[str] = []
-    for path, text, out in zip(files, texts, outs, strict=True):
-        verdict = judge(split, fresh, tokenizer, text, out)
-        counts[verdict.kind] += 1
-        outcome = POLICY.apply(json.loads(text))
-        if verdict.kind == "refused":
+    for (mode, i), out in zip(jobs, outs, strict=True):
+        verdict = judge(split, fresh, tokenizer, texts[i], mode, out)
+        counts[mode][verdict.kind] += 1
+        if mode is JsonSchemaMode.STRICT and verdict.kind == "refused":
+            outcome = POLICY.apply(json.loads(texts[i]))
             refused_for.update({u.keyword for u in outcome.unenforced} or {"xgrammar"})
-        else:
-            rewrites.update(name for name, _ in outcome.rewrites)
+        if verdict.kind == "violation":
+            violated[verdict.note or ""] += 1
         if verdict.problem:
-            problems.append(f"{path.name}: {verdict.problem}")
+            problems.append(f"{mode.value} {files[i].name}: {verdict.problem}")
         elif verdict.note:
-            print(f"  {path.name}: {verdict.note}")
+            print(f"  {mode.value} {files[i].name}: {verdict.note}")
     assert split.engine.wait_idle(60)
     with GrammarClient(split.grammar) as client:
         assert client.get_state().num_open == 0, "every grammar is released after drain"
-    compiled = len(files) - counts["refused"]
-    summary = (
-        f"JSONSchemaBench: {len(files)} schemas, compiled {compiled}, refused {counts['refused']}; "
-        f"stop-valid {counts['stop-valid']}, length-accepted {counts['length-accepted']}\n"
-        f"  refused for (schemas per keyword): {dict(refused_for.most_common())}\n"
-        f"  rewritten by the policy (schemas per rewrite): {dict(rewrites.most_common())}"
-    )
+    lines = [f"JSONSchemaBench: {len(files)} schemas"]
+    for mode in MODES:
+        c = counts[mode]
+        lines.append(
+            f"  {mode.value}: compiled {len(files) - c['refused']}, refused {c['refused']}; stop-valid "
+            f"{c['stop-valid']}, length-accepted {c['length-accepted']}, aborted for a violation {c['violation']}"
+        )
+    lines.append(f"  strict refused for (schemas per keyword): {dict(refused_for.most_common())}")
+    lines.append(f"  checked violations (requests per place): {dict(violated.most_common())}")
     with capsys.disabled():  # the counts belong in every log, not only a failing one
-        print(f"\n{summary}")
+        print("\n" + "\n".join(lines))
     assert not problems, "\n".join(problems)
-    assert counts["refused"] <= 20, refused_for  # the policy refuses little: the rest compiles, and exactly
-    assert counts["stop-valid"] >= 30 and counts["length-accepted"] >= 30, counts  # both paths really ran
+    checked, strict = counts[JsonSchemaMode.CHECKED], counts[JsonSchemaMode.STRICT]
+    assert checked["refused"] < strict["refused"] <= 20, (checked, strict)  # checked serves what strict refuses
+    for c in (checked, strict):
+        assert c["stop-valid"] >= 30 and c["length-accepted"] >= 30, c  # both paths really ran
 
 
 @dataclass(frozen=True)
@@ -181,16 +204,30 @@ class Verdict:
     note: str | None = None
 
 
-def judge(split: Stack, fresh: FreshMatchers, tokenizer: Tokenizer, text: str, out: RequestOutput) -> Verdict:
+def judge(
+    split: Stack, fresh: FreshMatchers, tokenizer: Tokenizer, text: str, mode: JsonSchemaMode, out: RequestOutput
+) -> Verdict:
     finish = out.finish
     assert finish is not None
     ids = list(out.output_ids or ())
     if finish.reason is FinishReason.ABORT and finish.cause is AbortCause.INVALID_GRAMMAR:
+        if mode is JsonSchemaMode.CHECKED:
+            if fresh.compiles_as_given(text):
+                return Verdict("refused", f"refused in checked mode, which xgrammar compiles: {finish.message}")
+            return Verdict("refused", note=f"refused (xgrammar cannot compile it): {finish.message}")
         return judge_refused(split, text, finish.message or "")
+    if finish.reason is FinishReason.ABORT and finish.cause is AbortCause.GRAMMAR:
+        message = finish.message or ""
+        if mode is JsonSchemaMode.CHECKED and "the output violates" in message:
+            if "(checked on the output" not in message:
+                return Verdict("violation", f"a violation of a keyword the grammar should enforce: {message}")
+            place = message.split("the output violates ", 1)[1].split(" of the JSON schema", 1)[0]
+            return Verdict("violation", note=place)
+        return Verdict("other", f"grammar abort: {message}")
     if finish.reason is FinishReason.STOP:
-        return judge_stop(fresh, text, ids, tokenizer.decode(ids, skip_special_tokens=True))
+        return judge_stop(fresh, text, mode, ids, tokenizer.decode(ids, skip_special_tokens=True))
     if finish.reason is FinishReason.LENGTH:
-        accepted, _ = fresh.accepts(text, ids)
+        accepted, _ = fresh.accepts(text, mode, ids)
         return Verdict("length-accepted" if accepted else "length", None if accepted else "cut output not accepted")
     return Verdict("other", f"unexpected finish {finish}")
 
@@ -203,14 +240,14 @@ def judge_refused(split: Stack, text: str, message: str) -> Verdict:
     return Verdict("refused", note=f"refused: {reason}")
 
 
-def judge_stop(fresh: FreshMatchers, text: str, ids: list[int], output: str) -> Verdict:
+def judge_stop(fresh: FreshMatchers, text: str, mode: JsonSchemaMode, ids: list[int], output: str) -> Verdict:
     schema = json.loads(text)
     error = validation_error(schema, output)
     if error is None:
         return Verdict("stop-valid")
-    accepted, terminated = fresh.accepts(text, ids)
+    accepted, terminated = fresh.accepts(text, mode, ids)
     return Verdict(
         "stop-invalid",
-        f"{error}; output {output[:120]!r}; fresh matcher of the rewritten schema accepted={accepted} "
+        f"{error}; output {output[:120]!r}; fresh matcher of the compiled schema accepted={accepted} "
         f"terminated={terminated}",
     )

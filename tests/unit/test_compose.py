@@ -83,8 +83,8 @@ def test_ports_agree(services: dict[str, dict[str, Any]]) -> None:
     assert published(services["gateway"]) == {gateway.port: 8000}
     assert "ports" not in services["executor"], "the executor is internal"
     assert "ports" not in services["grammar"], "the grammar service is internal"
-    metrics = [executor.metrics_port, scheduler.metrics_port, gateway.metrics_port]
-    assert all(metrics) and len(set(metrics)) == 3
+    metrics = [executor.metrics_port, scheduler.metrics_port, gateway.metrics_port, grammar.metrics_port]
+    assert all(metrics) and len(set(metrics)) == 4
     assert len({grammar.port, executor.port, scheduler.port, gateway.port}) == 4
     for args in (grammar, executor, scheduler, gateway):
         assert args.host == "0.0.0.0", "inside a container a service must listen beyond loopback"

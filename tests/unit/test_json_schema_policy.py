@@ -1,4 +1,4 @@
-"""The JSON-schema policy (engine/grammar/schema.py) against real xgrammar 0.2.9 matchers and real jsonschema.
+"""The JSON-schema policy (engine/grammar/schema/) against real xgrammar 0.2.9 matchers and real jsonschema.
 
 Each rewrite case lists instances with their verdict. The test checks that jsonschema agrees with every verdict on
 the *original* schema, that a fresh ``xgrammar.GrammarMatcher`` over the original schema accepts at least one
@@ -25,6 +25,7 @@ from engine.grammar import (
     ConstraintCompiler,
     ConstraintKind,
     InvalidGrammarError,
+    JsonSchemaMode,
     JsonSchemaPolicy,
     load_tokenizer_info,
 )
@@ -252,6 +253,65 @@ REWRITES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
         ["[1]", '[1, "a"]'],
         ["[]", "[1, 2, 3]"],
     ),
+    (
+        "not of an integer value: the ranges around it",
+        {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "not": {"const": 3}}}},
+        ['{"a": 2}', '{"a": 4}', '{"a": 0}', "{}"],
+        ['{"a": 3}', '{"a": -1}'],
+    ),
+    (
+        "not of integer values",
+        {"type": "integer", "not": {"enum": [1, 3, "x"]}},
+        ["0", "2", "4", "-7"],
+        ["1", "3"],
+    ),
+    (
+        "not of a boolean value",
+        {"type": "boolean", "not": {"const": True}},
+        ["false"],
+        ["true"],
+    ),
+    (
+        "if a required name then more names, in a closed object",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}},
+            "additionalProperties": False,
+            "if": {"required": ["a"]},
+            "then": {"required": ["b"]},
+            "else": {"required": ["c"]},
+        },
+        ['{"a": 1, "b": 2}', '{"c": 3}', '{"b": 1, "c": 2}'],
+        ['{"a": 1}', '{"a": 1, "c": 2}', "{}", '{"b": 2}'],
+    ),
+    (
+        "if a property has a listed value (a discriminator)",
+        {
+            "type": "object",
+            "properties": {"kind": {"enum": ["uri", "text"]}, "source": {"type": "string"}, "body": {"type": "string"}},
+            "required": ["kind"],
+            "additionalProperties": False,
+            "if": {"properties": {"kind": {"const": "uri"}}},
+            "then": {"required": ["source"]},
+            "else": {"required": ["body"]},
+        },
+        ['{"kind": "uri", "source": "x"}', '{"kind": "text", "body": "y"}'],
+        ['{"kind": "uri", "body": "y"}', '{"kind": "text", "source": "x"}', '{"kind": "text"}'],
+    ),
+    (
+        "allOf of conditionals on one discriminator",
+        {
+            "type": "object",
+            "properties": {"h": {"type": "string", "enum": ["a", "b", "c"]}, "x": {}, "y": {}},
+            "required": ["h"],
+            "allOf": [
+                {"if": {"properties": {"h": {"const": "a"}}}, "then": {"required": ["x"]}},
+                {"if": {"properties": {"h": {"const": "b"}}}, "then": {"required": ["y"]}},
+            ],
+        },
+        ['{"h": "a", "x": 1}', '{"h": "b", "y": 1}', '{"h": "c"}'],
+        ['{"h": "a"}', '{"h": "b", "x": 1}', '{"h": "d"}'],
+    ),
 ]
 
 
@@ -327,8 +387,9 @@ REFUSED = [
     ({"type": "number", "multipleOf": 0.5}, "multipleOf", "/"),
     ({"type": "string", "pattern": '^a"b$'}, "pattern", "/"),
     ({"type": "string", "pattern": "^(?=a)ab$"}, "pattern", "/"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 3}}}}, "not", "/properties/a"),
-    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if", "/"),
+    ({"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}}, "not", "/properties/a"),
+    ({"type": "object", "properties": {"k": {"type": "string"}}, "if": {"properties": {"k": {"const": "a"}}},
+      "then": {"required": ["b"]}}, "if", "/"),
     ({"type": "array", "contains": {"const": 3}}, "contains", "/"),
     ({"definitions": {"d": {"type": "object", "dependentRequired": {"a": ["b"]}, "additionalProperties": True}},
       "$ref": "#/definitions/d"}, "dependentRequired", "/definitions/d"),
@@ -346,7 +407,8 @@ REFUSED = [
 def test_refused_keyword_names_keyword_and_pointer(
     info: xgr.TokenizerInfo, schema: Any, keyword: str, pointer: str
 ) -> None:
-    compiler = ConstraintCompiler(info, CompilerConfig(workers=1))
+    """Strict mode: refused, naming keyword and place, with checked mode as the way out."""
+    compiler = ConstraintCompiler(info, CompilerConfig(workers=1, json_schema_mode=JsonSchemaMode.STRICT))
     try:
         with pytest.raises(InvalidGrammarError) as refused:
             compiler.compile(Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)), timeout_s=60)
@@ -355,14 +417,41 @@ def test_refused_keyword_names_keyword_and_pointer(
     reason = refused.value.reason
     assert refused.value.field == "constraint.json_schema"
     assert f"{keyword} at {pointer}" in reason, reason
-    assert "xgrammar 0.2.9" in reason and "--loose-json-schema" in reason and "\n" not in reason
+    assert "xgrammar 0.2.9" in reason and "--json-schema checked" in reason and "\n" not in reason
+
+
+@pytest.mark.parametrize(("schema", "keyword", "pointer"), REFUSED, ids=[r[1] for r in REFUSED])
+def test_checked_mode_compiles_what_strict_mode_refuses_and_names_what_it_checks(
+    info: xgr.TokenizerInfo, schema: Any, keyword: str, pointer: str
+) -> None:
+    """The same schemas in checked mode (the default; here chosen per request): compiled, with the refused keyword
+    listed as checked on the output, at its place. Only a $ref to another document stays refused: nothing could
+    read the schema it names."""
+    compiler = ConstraintCompiler(info, CompilerConfig(workers=1, json_schema_mode=JsonSchemaMode.STRICT))
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema), JsonSchemaMode.CHECKED)
+    try:
+        if keyword == "$ref":
+            with pytest.raises(InvalidGrammarError) as refused:
+                compiler.compile(constraint, timeout_s=60)
+            assert "nor checkable" in refused.value.reason and "--json-schema loose" in refused.value.reason
+            return
+        compiled = compiler.compile(constraint, timeout_s=60)
+    finally:
+        compiler.shutdown()
+    assert compiled.check is not None and compiled.enforcement is not None
+    assert compiled.enforcement.mode is JsonSchemaMode.CHECKED
+    places = {(u.keyword, u.pointer or "/") for u in compiled.enforcement.unenforced}
+    assert (keyword, pointer) in places, places
+    assert keyword in compiled.enforcement.unenforced_keywords
 
 
 def test_loose_mode_compiles_what_strict_mode_refuses(info: xgr.TokenizerInfo) -> None:
-    compiler = ConstraintCompiler(info, CompilerConfig(workers=1, strict_json_schema=False))
+    compiler = ConstraintCompiler(info, CompilerConfig(workers=1, json_schema_mode=JsonSchemaMode.LOOSE))
     try:
-        for schema, _, _ in REFUSED[:5]:
-            compiler.compile(Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)), timeout_s=60)
+        for schema, keyword, _ in REFUSED[:5]:
+            compiled = compiler.compile(Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)), timeout_s=60)
+            assert compiled.check is None and compiled.enforcement is not None
+            assert keyword in compiled.enforcement.unenforced_keywords  # reported as read loosely
     finally:
         compiler.shutdown()
 
@@ -552,8 +641,14 @@ def test_every_bench_schema_through_the_policy(
     rewrites: Counter[str] = Counter()
     failures = []
     start = time.perf_counter()
+    checked: Counter[str] = Counter()
     for path in sorted(BENCH.glob("*.json")):
-        outcome = POLICY.apply(json.loads(path.read_text(encoding="utf-8")))
+        schema = json.loads(path.read_text(encoding="utf-8"))
+        in_checked_mode = POLICY.apply(schema, checking=True)
+        assert in_checked_mode.accepted, f"{path.name}: {in_checked_mode.reason()}"  # checked mode refuses none
+        checked.update({u.keyword for u in in_checked_mode.checked})
+        outcome = POLICY.apply(schema)
+        assert outcome.accepted == (not in_checked_mode.checked), path.name  # what strict refuses, checked checks
         rewrites.update(name for name, _ in outcome.rewrites)
         if not outcome.accepted:
             counts["refused"] += 1
@@ -569,5 +664,6 @@ def test_every_bench_schema_through_the_policy(
         print(f"\nJSONSchemaBench policy: {dict(counts)} in {time.perf_counter() - start:.1f}s")
         print(f"  refused, per keyword (schemas): {dict(refused.most_common())}")
         print(f"  rewrites (schemas): {dict(rewrites.most_common())}")
+        print(f"  checked mode, checked on the output, per keyword (schemas): {dict(checked.most_common())}")
     assert failures == []
     assert sum(counts.values()) == 150 and counts["refused"] <= 20

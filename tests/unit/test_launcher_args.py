@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.config import EngineConfig
 from services.launcher import (
     DEFAULT_METRICS_PORT,
+    JSON_SCHEMA_MODES,
     Endpoints,
     ServiceFailedError,
     StopRequestedError,
@@ -34,6 +35,7 @@ from services.launcher import (
     build_parser,
     engine_argv,
     engine_config,
+    json_schema_mode,
     main,
     smg_argv,
 )
@@ -111,16 +113,17 @@ def test_serve_defaults_are_the_documented_interface() -> None:
     assert (args.grammar_port, args.grammar_overlap) == (30002, "on")
     assert args.no_gateway is False and args.model is None and args.served_model_name is None
     assert args.metrics_port == DEFAULT_METRICS_PORT and args.log_level == "INFO"
-    assert args.loose_json_schema is False
+    assert json_schema_mode(args) == "checked"
     assert engine_config(args) == EngineConfig()
 
 
 def test_serve_flags_parse() -> None:
     argv = "serve --model /x --host 0.0.0.0 --port 1 --gateway-port 2 --executor-port 3 --no-gateway --page-size 8 "
     argv += "--num-pages 9 --chunk-size 10 --no-overlap --metrics-port 4 --served-model-name m --log-level debug "
-    argv += "--grammar-port 5 --grammar-overlap off --loose-json-schema"
+    argv += "--grammar-port 5 --grammar-overlap off --json-schema strict"
     args = build_parser().parse_args(argv.split())
-    assert args.grammar_port == 5 and engine_config(args).grammar_overlap is False and args.loose_json_schema
+    assert args.grammar_port == 5 and engine_config(args).grammar_overlap is False
+    assert json_schema_mode(args) == "strict"
     assert (args.host, args.port, args.gateway_port, args.executor_port, args.metrics_port) == ("0.0.0.0", 1, 2, 3, 4)
     assert args.no_gateway and args.no_overlap and args.served_model_name == "m" and args.log_level == "DEBUG"
     assert engine_config(args).page_size == 8 and engine_config(args).num_pages == 9
@@ -138,7 +141,7 @@ def test_every_flag_has_help() -> None:
 
 def test_metrics_ports_from_the_base() -> None:
     args = build_parser().parse_args(["serve", "--metrics-port", "9100"])
-    assert _metrics_ports(args) == {"scheduler": 9100, "executor": 9101, "gateway": 9102}
+    assert _metrics_ports(args) == {"scheduler": 9100, "executor": 9101, "gateway": 9102, "grammar": 9103}
     args = build_parser().parse_args(["serve", "--metrics-port", "0"])
     assert set(_metrics_ports(args).values()) == {0}
 
@@ -345,11 +348,19 @@ def test_executor_subcommand_execs_the_service_module() -> None:
     assert "--grammar HOST:PORT" in done.stdout and "--grammar-overlap" in done.stdout
 
 
-def test_grammar_service_reads_json_schemas_strictly_unless_told_loose() -> None:
+def test_grammar_service_checks_json_schemas_unless_told_otherwise() -> None:
+    from engine.grammar import JsonSchemaMode
     from services.grammar.__main__ import build_parser as grammar_parser
 
-    assert grammar_parser().parse_args([]).loose_json_schema is False
-    assert grammar_parser().parse_args(["--loose-json-schema"]).loose_json_schema is True
+    assert set(JSON_SCHEMA_MODES) == {m.value for m in JsonSchemaMode}
+    parse = grammar_parser().parse_args
+    assert json_schema_mode(parse([])) == "checked"
+    assert json_schema_mode(parse(["--json-schema", "strict"])) == "strict"
+    assert json_schema_mode(parse(["--loose-json-schema"])) == "loose"  # the flag of earlier versions
+    with pytest.raises(SystemExit):
+        json_schema_mode(parse(["--loose-json-schema", "--json-schema", "strict"]))
+    with pytest.raises(SystemExit):
+        parse(["--json-schema", "lenient"])
 
 
 def test_grammar_subcommand_execs_the_service_module() -> None:
@@ -357,4 +368,4 @@ def test_grammar_subcommand_execs_the_service_module() -> None:
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "python -m services.grammar" in done.stdout and "--fence-deadline-ms" in done.stdout
-    assert "--loose-json-schema" in done.stdout
+    assert "--json-schema" in done.stdout and "--metrics-port" in done.stdout

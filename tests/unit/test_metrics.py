@@ -302,3 +302,51 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------- grammar
+
+
+def test_grammar_metrics_count_keywords_by_enforcer_and_violations(embedded_model_dir: Path) -> None:
+    """A real registry in checked mode reporting to GrammarMetrics: each opened JSON-schema request counts its mode
+    and its keywords, by whether the grammar enforces them or the output check does; a violation found at commit
+    counts its keyword. A strict request's keywords are all the grammar's."""
+    from engine.grammar import (
+        CommitEntry,
+        CompilerConfig,
+        Constraint,
+        ConstraintCompiler,
+        ConstraintKind,
+        GrammarRegistry,
+        JsonSchemaMode,
+    )
+    from engine.model.tokenizer import Tokenizer
+    from services.metrics import GrammarMetrics
+
+    metrics = GrammarMetrics()
+    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir, CompilerConfig(workers=1))
+    registry = GrammarRegistry(compiler, observer=metrics)
+    schema = '{"type": "array", "items": {"type": "integer"}, "uniqueItems": true}'
+    try:
+        registry.open("checked", Constraint(ConstraintKind.JSON_SCHEMA, schema), timeout_s=60)
+        registry.open(
+            "strict", Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "integer"}', JsonSchemaMode.STRICT), 60
+        )
+        registry.open("regex", Constraint(ConstraintKind.REGEX, "[a-z]+"), timeout_s=60)  # not a JSON schema
+        tokens = Tokenizer.from_dir(embedded_model_dir).encode("[1, 1]")
+        refused = [registry.commit([CommitEntry("checked", i, (t,))])[0] for i, t in enumerate(tokens)]
+        assert refused[-1].result is not None and refused[-1].result.violation is not None
+        registry.release(["checked", "strict", "regex"])
+    finally:
+        compiler.shutdown()
+    samples = scrape(metrics.registry)
+    assert value(samples, "ordinal_json_schema_requests_total", mode="checked") == 1
+    assert value(samples, "ordinal_json_schema_requests_total", mode="strict") == 1
+    assert value(samples, "ordinal_json_schema_keywords_total", keyword="uniqueItems", enforced_by="check") == 1
+    assert value(samples, "ordinal_json_schema_keywords_total", keyword="items", enforced_by="grammar") == 1
+    assert value(samples, "ordinal_json_schema_keywords_total", keyword="type", enforced_by="grammar") == 2
+    assert value(samples, "ordinal_json_schema_violations_total", keyword="uniqueItems") == 1
+    assert (
+        "ordinal_json_schema_keywords_total",
+        (("enforced_by", "grammar"), ("keyword", "uniqueItems")),
+    ) not in samples
