@@ -58,24 +58,19 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
+from engine.executor.masks import PendingMasks, StepMasks
+from engine.executor.runner import ModelRunner, ResolvedEntry
+from engine.finish import FinishReason
 from engine.grammar.backend import LocalGrammar
-from engine.grammar.compiler import (
-    CompilerConfig,
-    ConstraintCompiler,
-    InvalidGrammarError,
-    load_tokenizer_info,
-    words_per_row,
-)
-from engine.grammar.constraint import Constraint, ConstraintKind, JsonSchemaMode
-from engine.grammar.masks import PendingMasks, StepMasks
-from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, GrammarRegistry, MaskEntry, MaskRefusals
+from engine.grammar.compiler import CompilerConfig, ConstraintCompiler, load_tokenizer_info
+from engine.grammar.registry import FencedMasks, GrammarRegistry
 from engine.grammar.schema import JsonSchemaPolicy
+from engine.grammar_calls import CommitEntry, CommitOutcome, InvalidGrammarError, MaskEntry, MaskRefusals, words_per_row
 from engine.model.embedded import ensure_embedded_model
-from engine.request import RequestOutput
-from engine.runner import ModelRunner, ResolvedEntry
 from engine.sampling_params import SamplingParams
-from engine.stop import FinishReason
+from engine.scheduler.engine import Engine
+from engine.scheduler.request import RequestOutput
 from services.grammar.convert import MaskAnswer, encode_masks, mask_answers
 
 BUILTIN_SCHEMAS: tuple[dict[str, object], ...] = (

@@ -28,9 +28,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.model.embedded import ensure_embedded_model
 from engine.sampling_params import SamplingParams
+from engine.scheduler.engine import Engine
 
 
 @dataclass(frozen=True)

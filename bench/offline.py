@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.model.embedded import ensure_embedded_model
 from engine.sampling_params import SamplingParams
+from engine.scheduler.engine import Engine
 
 
 @dataclass(frozen=True)

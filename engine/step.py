@@ -19,8 +19,12 @@ its first entry.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
+from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 
 
@@ -142,3 +146,25 @@ class StepResult:
     step_id: int
     runs: tuple[SampledRun, ...]
     timing: StepTiming = StepTiming()
+
+
+class StepRunner(Protocol):
+    """The executor as the scheduler's loop sees it: in process (:class:`ModelRunner`) or over gRPC.
+
+    Steps run in launch order; a release is queued behind every step launched before it (C9)."""
+
+    info: ModelInfo
+
+    def launch(self, plan: StepPlan) -> Future[StepResult]: ...
+
+    def release(self, slots: Sequence[int]) -> Future[None]: ...
+
+    def shutdown(self) -> None: ...
+
+    def healthy(self) -> bool:
+        """True when the executor answers now (bounded wait)."""
+        ...
+
+    def take_loss(self) -> str | None:
+        """Why the executor lost its state (KV, buffers) if no launched step has reported it yet; else None."""
+        ...

@@ -35,7 +35,7 @@ from engine.step import StepEntry, StepPlan, StepResult
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
-from services.executor.server import SESSION_METADATA_KEY
+from services.executor.convert import SESSION_METADATA_KEY
 
 log = logging.getLogger(__name__)
 

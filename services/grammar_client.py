@@ -24,10 +24,10 @@ from types import TracebackType
 import grpc
 import torch
 
-from engine.grammar import (
+from engine.constraint import Constraint
+from engine.grammar_calls import (
     CommitEntry,
     CommitOutcome,
-    Constraint,
     GrammarProtocolError,
     GrammarTimeoutError,
     InvalidGrammarError,

@@ -43,8 +43,8 @@ from typing import IO, TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:  # engine modules import torch (seconds): only the subcommands that run an engine load them
     from engine.config import EngineConfig
-    from engine.engine import Engine
     from engine.sampling_params import SamplingParams
+    from engine.scheduler.engine import Engine
 
 SAMPLE_PROMPT = "Write a JSON object that describes a small cat."
 DEFAULT_PORT = 30000
@@ -919,8 +919,8 @@ async def _stream_sample(engine: Engine, prompt: str, params: SamplingParams) ->
 
 def generate(args: argparse.Namespace) -> int:
     """Load the model in this process and stream a completion of ``--prompt``."""
-    from engine.engine import Engine
     from engine.sampling_params import SamplingParams
+    from engine.scheduler.engine import Engine
 
     config = engine_config(args)
     print(f"loading {config.model_path or 'the embedded default model'} on {config.device} ...", flush=True)

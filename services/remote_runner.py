@@ -1,4 +1,4 @@
-"""The scheduler's client for the executor service: a :class:`~engine.runner.StepRunner` over gRPC.
+"""The scheduler's client for the executor service: a :class:`~engine.step.StepRunner` over gRPC.
 
 ``launch`` and ``release`` only enqueue a message on the session stream and return a future; a reader thread
 resolves the futures in send order from the reply stream, so the scheduler loop never blocks on the network
@@ -29,12 +29,12 @@ from typing import Any
 import grpc
 
 from engine.errors import ExecutorUnavailableError, ProtocolError
-from engine.runner import ModelInfo
+from engine.model_info import ModelInfo
 from engine.step import StepPlan, StepResult
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
-from services.executor.server import SESSION_METADATA_KEY
+from services.executor.convert import SESSION_METADATA_KEY
 from services.grpc_common import outbox_messages
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class _Connection:
 
 
 class RemoteRunner:
-    """The executor service as a :class:`~engine.runner.StepRunner`: steps travel over one Session stream.
+    """The executor service as a :class:`~engine.step.StepRunner`: steps travel over one Session stream.
 
     Build it with :meth:`connect`. ``launch`` and ``release`` are called from one thread (the scheduler
     loop); ``healthy`` from any thread.

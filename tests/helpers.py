@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from engine.engine import Engine
+from engine.finish import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.stop import FinishReason
+from engine.scheduler.engine import Engine
 from services.scheduler.server import ThreadedServer
 
 # The sampling fields smg always sets, greedy; proto3 would read an unset n as 0 and an unset top_p as 0.

@@ -7,40 +7,36 @@ rewrites a JSON schema into a form xgrammar enforces exactly; what it cannot mak
 (:class:`JsonSchemaMode` STRICT) or checked on the output (CHECKED, a :class:`Violation` ends the request).
 """
 
+from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.compiler import (
     CompiledConstraint,
     CompilerConfig,
     CompileStats,
     ConstraintCompiler,
-    GrammarTimeoutError,
-    InvalidGrammarError,
     load_tokenizer_info,
-    words_per_row,
 )
-from engine.grammar.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.enforcement import Enforcement, EnforcementObserver
-from engine.grammar.matcher import (
+from engine.grammar.matcher import MatcherState, VersionedMatcher
+from engine.grammar.registry import GrammarRegistry, MaskFence
+from engine.grammar.schema import JsonSchemaPolicy, PolicyOutcome, Unenforced, UnenforcedSchemaError
+from engine.grammar.violation import Violation
+from engine.grammar_calls import (
+    CommitEntry,
+    CommitOutcome,
     CommitResult,
     DraftTree,
     GrammarProtocolError,
-    MatcherState,
-    Refusal,
-    VersionedMatcher,
-)
-from engine.grammar.registry import (
-    CommitEntry,
-    CommitOutcome,
-    GrammarRegistry,
+    GrammarTimeoutError,
+    InvalidGrammarError,
     MaskEntry,
-    MaskFence,
     MaskOutcome,
     MaskRefusals,
     MaskRows,
+    Refusal,
     mask_buffer,
     mask_outcomes,
+    words_per_row,
 )
-from engine.grammar.schema import JsonSchemaPolicy, PolicyOutcome, Unenforced, UnenforcedSchemaError
-from engine.grammar.violation import Violation
 
 __all__ = [
     "CommitEntry",

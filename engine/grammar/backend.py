@@ -9,65 +9,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 import torch
 
+from engine.constraint import Constraint
 from engine.grammar.compiler import CompilerConfig, ConstraintCompiler
-from engine.grammar.constraint import Constraint
 from engine.grammar.enforcement import EnforcementObserver
-from engine.grammar.registry import (
-    CommitEntry,
-    CommitOutcome,
-    FencedMasks,
-    GrammarRegistry,
-    MaskEntry,
-    MaskRefusals,
-)
+from engine.grammar.registry import FencedMasks, GrammarRegistry
+from engine.grammar_calls import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
-
-
-class GrammarBackend(Protocol):
-    def open(self, request_id: str, constraint: Constraint) -> None:
-        """Compile (cached) and open a matcher at ordinal 0. Raises InvalidGrammarError (the grammar is bad:
-        INVALID_ARGUMENT with xgrammar's reason), GrammarTimeoutError or GrammarProtocolError."""
-        ...
-
-    def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]: ...
-
-    def fill_masks_into(
-        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
-    ) -> MaskRefusals:
-        """Fenced masks (C3) written into ``out`` [N, W] (entry i's rows from row ``starts[i]``); returns the
-        refused entries by index. Raises only when the whole call fails (the service is unreachable)."""
-        ...
-
-    def release(self, request_ids: Sequence[str]) -> None: ...
-
-    @property
-    def num_open(self) -> int: ...
-
-
-class MaskWait(Protocol):
-    """A mask batch asked for and not answered yet."""
-
-    def result(self) -> MaskRefusals:
-        """Block until answered (see :meth:`GrammarBackend.fill_masks_into`); raises only if the whole call failed."""
-        ...
-
-    def close(self) -> None:
-        """The answer is not wanted any more (the step failed): stop writing into the buffer, free what it holds."""
-        ...
-
-
-@runtime_checkable
-class FencingBackend(Protocol):
-    """A backend that can open a step's mask fence now and answer it later, without a thread waiting at it."""
-
-    def start_masks(
-        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
-    ) -> MaskWait: ...
 
 
 class LocalGrammar:

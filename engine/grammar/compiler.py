@@ -17,7 +17,6 @@ more.
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -29,56 +28,18 @@ from pathlib import Path
 
 import xgrammar as xgr
 
-from engine.errors import CheckpointError, InvalidRequestError
-from engine.grammar.constraint import Constraint, ConstraintKind, JsonSchemaMode
+from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.enforcement import Enforcement
 from engine.grammar.json_schema_compiler import JsonSchemaCompiler
 from engine.grammar.schema import JsonSchemaPolicy, UnenforcedSchemaError
 from engine.grammar.schema_check import SchemaCheck, SchemaCheckError
-
-BITS_PER_WORD = 32
+from engine.grammar_calls import GrammarTimeoutError, InvalidGrammarError, words_per_row
+from engine.model.folder import model_vocab_size
 
 # xgrammar prefixes its messages with a log header ("[12:00:00] /project/cpp/x.cc:123: ") and sometimes the
 # failed check's expression; neither helps the person who wrote the grammar.
 _LOG_HEADER = re.compile(r"^\[[0-9:.]+\]\s+\S+:\d+:\s*")
 _CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
-
-
-class InvalidGrammarError(InvalidRequestError):
-    """xgrammar cannot compile a constraint: the grammar is malformed or uses something it does not support.
-
-    ``reason`` is xgrammar's own message (without its log header), so that the client can fix the grammar.
-    Being an :class:`InvalidRequestError`, services map it to INVALID_ARGUMENT.
-    """
-
-    def __init__(self, kind: ConstraintKind, reason: str) -> None:
-        super().__init__(f"constraint.{kind.value}", f"invalid grammar: {reason}")
-        self.kind = kind
-        self.reason = reason
-
-
-class GrammarTimeoutError(RuntimeError):
-    """A compile did not finish within its deadline. It keeps running and its result is cached for later."""
-
-
-def words_per_row(vocab_size: int) -> int:
-    """Width of one mask row in xgrammar's layout: one bit per token id, packed into int32 words."""
-    return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
-
-
-def model_vocab_size(model_dir: Path) -> int:
-    """The model's vocabulary size (the lm_head width, config.json ``vocab_size``): masks cover every logit."""
-    config_file = model_dir / "config.json"
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{config_file}: cannot be read: {error}") from error
-    # Multimodal checkpoints nest the language model's config.
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    vocab = config.get("vocab_size", text_config.get("vocab_size"))
-    if not isinstance(vocab, int) or vocab <= 0:
-        raise CheckpointError(f"{config_file}: no positive integer vocab_size")
-    return vocab
 
 
 def load_tokenizer_info(model_dir: str | Path) -> xgr.TokenizerInfo:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.grammar.constraint import JsonSchemaMode
+from engine.constraint import JsonSchemaMode
 from engine.grammar.schema import Unenforced
 from engine.grammar.schema.vocabulary import keyword_places
 from engine.grammar.violation import Violation

@@ -21,7 +21,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from engine.grammar.constraint import JsonSchemaMode
+from engine.constraint import JsonSchemaMode
 from engine.grammar.enforcement import Enforcement
 from engine.grammar.schema import JsonSchemaPolicy, Unenforced, UnenforcedSchemaError
 from engine.grammar.schema_check import SchemaCheck, SchemaCheckError

@@ -17,36 +17,11 @@ import torch
 import tvm_ffi
 import xgrammar as xgr
 
-from engine.errors import ProtocolError
-from engine.grammar.compiler import CompiledConstraint, words_per_row
-from engine.grammar.constraint import Constraint
+from engine.constraint import Constraint
+from engine.grammar.compiler import CompiledConstraint
 from engine.grammar.output_checker import OutputChecker
 from engine.grammar.violation import Violation
-
-
-class Refusal(enum.Enum):
-    """Why a grammar call was refused. Each maps to one per-entry code of the grammar protocol."""
-
-    STALE_ORDINAL = "stale_ordinal"  # commit from an ordinal already passed: a replay (C2)
-    FUTURE_ORDINAL = "future_ordinal"  # commit from an ordinal not reached: a gap (C2)
-    AHEAD = "ahead"  # mask for an ordinal the matcher has already passed (C3)
-    BEHIND = "behind"  # mask for an ordinal not reached yet; the registry's fence waits on it (C3)
-    BEHIND_DEADLINE = "behind_deadline"  # ...and the commit reaching it did not come in time (C3)
-    RELEASED = "released"  # the matcher was released; nothing more is answered
-    UNKNOWN = "unknown"  # no matcher was ever opened under this id (or its release is long forgotten)
-    REJECTED = "rejected"  # the matcher refused a token earlier and is finished (C13)
-    TERMINATED = "terminated"  # mask asked of a grammar that has terminated: no next token exists (C6)
-    ALREADY_OPEN = "already_open"  # open under an id that is open
-    INVALID_ARGUMENT = "invalid_argument"  # a malformed call: empty id, bad draft tree, wrong buffer
-    INTERNAL = "internal"  # xgrammar failed unexpectedly on this entry; the others are unaffected
-
-
-class GrammarProtocolError(ProtocolError):
-    """A grammar call broke the protocol; ``code`` says how, the message says exactly what was expected."""
-
-    def __init__(self, code: Refusal, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+from engine.grammar_calls import CommitResult, DraftTree, GrammarProtocolError, Refusal, invalid_argument, words_per_row
 
 
 class MatcherState(enum.Enum):
@@ -56,104 +31,6 @@ class MatcherState(enum.Enum):
     TERMINATED = "terminated"  # accepted a stop token: the output is complete
     REJECTED = "rejected"  # refused a committed token: the request must end with a grammar abort (C13)
     RELEASED = "released"
-
-
-@dataclass(frozen=True)
-class CommitResult:
-    """What a commit did. ``accepted`` tokens from the front were fed; the rest were not.
-
-    ``terminated``: the grammar accepted a stop token (tokens after it were not fed, C6). ``rejected_token``:
-    the first token the grammar refused; the matcher is finished and the request must be aborted (C13).
-    ``violation`` (checked mode): why it was refused when the grammar took it but the output check did not: the
-    output violates a keyword of its JSON schema (keyword, places and value), the words for the abort.
-    """
-
-    accepted: int
-    terminated: bool
-    rejected_token: int | None
-    new_ordinal: int
-    violation: str | None = None
-
-
-@dataclass(frozen=True)
-class DraftTree:
-    """Draft tokens to verify, as a tree under the committed state (the root, which has no token here).
-
-    ``parents[i]`` is the index of node i's parent, or -1 when node i follows the committed state directly;
-    any order is accepted as long as it is a tree. Masks for a tree come as ``len(tokens) + 1`` rows: row 0
-    for the committed state itself, row i + 1 for the state after the path to node i. A chain of k drafts is
-    ``DraftTree.chain(tokens)``.
-    """
-
-    tokens: tuple[int, ...]
-    parents: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        # Accept any int sequences (lists, tensors' tolist()) but keep the value hashable and immutable.
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
-        object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
-        if len(self.tokens) != len(self.parents):
-            raise _invalid(f"draft tree: {len(self.tokens)} tokens but {len(self.parents)} parents")
-        if any(t < 0 for t in self.tokens):
-            raise _invalid("draft tree: token ids must be >= 0")
-        n = len(self.parents)
-        if any(not -1 <= p < n for p in self.parents):
-            raise _invalid(f"draft tree: parents must be -1 or a node index in [0, {n})")
-        _check_acyclic(self.parents)
-
-    @classmethod
-    def chain(cls, tokens: Sequence[int]) -> DraftTree:
-        """A linear draft: each token follows the one before it."""
-        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
-
-    @classmethod
-    def from_links(cls, tokens: Sequence[int], next_token: Sequence[int], next_sibling: Sequence[int]) -> DraftTree:
-        """Convert the first-child / next-sibling layout (SGLang's and xgrammar's) where node 0 is the root.
-
-        ``tokens[0]`` (the root's token, already committed) is ignored; node j > 0 becomes node j - 1, so row j
-        of the masks still belongs to node j.
-        """
-        tokens, next_token, next_sibling = ([int(v) for v in seq] for seq in (tokens, next_token, next_sibling))
-        n = len(tokens)
-        if n == 0 or len(next_token) != n or len(next_sibling) != n:
-            raise _invalid("draft links: tokens, next_token and next_sibling must have the same length >= 1")
-        if next_sibling[0] != -1:
-            raise _invalid("draft links: the root (node 0) cannot have siblings")
-        parent = [-2] * n  # -2: not reached (yet)
-        parent[0] = -1
-        stack = [(next_token[0], 0)]  # (first node of a sibling list, their parent)
-        while stack:
-            node, up = stack.pop()
-            while node != -1:
-                if not 0 < node < n or parent[node] != -2:
-                    raise _invalid(f"draft links: node {node} is out of range or reached twice")
-                parent[node] = up
-                stack.append((next_token[node], node))
-                node = next_sibling[node]
-        missing = [j for j in range(1, n) if parent[j] == -2]
-        if missing:
-            raise _invalid(f"draft links: nodes {missing} are not reachable from the root")
-        return cls(tuple(tokens[1:]), tuple(parent[j] - 1 if parent[j] > 0 else -1 for j in range(1, n)))
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.tokens) + 1
-
-    def links(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """xgrammar's layout with a synthetic root at index 0: (next_token, next_sibling, tokens), int64 [N+1]."""
-        rows = self.num_rows
-        next_token = [-1] * rows
-        next_sibling = [-1] * rows
-        last_child = [-1] * rows
-        for i, p in enumerate(self.parents):
-            node, up = i + 1, p + 1  # shift: the root takes index 0
-            if last_child[up] == -1:
-                next_token[up] = node
-            else:
-                next_sibling[last_child[up]] = node
-            last_child[up] = node
-        tokens = [0, *self.tokens]  # the root's token is never fed
-        return _int64(next_token), _int64(next_sibling), _int64(tokens)
 
 
 @dataclass(frozen=True)
@@ -288,7 +165,7 @@ class VersionedMatcher:
         _check_buffer(out, (tree.num_rows, self.words_per_row))
         bad = next((t for t in tree.tokens if t >= self._vocab_size), None)
         if bad is not None:
-            raise _invalid(f"{self._name}: draft token {bad} is outside the vocabulary [0, {self._vocab_size})")
+            raise invalid_argument(f"{self._name}: draft token {bad} is outside the vocabulary [0, {self._vocab_size})")
         next_token, next_sibling, tokens = tree.links()  # [N+1] each
         with self._lock:
             self._check_mask(at_ordinal)
@@ -443,13 +320,9 @@ def fill_mask_rows(
     return answers
 
 
-def _int64(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)  # [N+1]
-
-
 def _check_buffer(out: torch.Tensor, shape: tuple[int, ...]) -> None:
     if out.dtype != torch.int32 or out.device.type != "cpu" or tuple(out.shape) != shape or not out.is_contiguous():
-        raise _invalid(
+        raise invalid_argument(
             f"mask buffer must be a contiguous int32 CPU tensor of shape {list(shape)}, "
             f"got {out.dtype} {out.device} {list(out.shape)}"
         )
@@ -459,23 +332,4 @@ def _check_rows(out: torch.Tensor, width: int, rows: Sequence[int], expected: in
     """``out`` is a mask buffer [N, width] and ``rows`` names ``expected`` distinct rows of it."""
     _check_buffer(out, (out.shape[0] if out.dim() == 2 else -1, width))
     if len(rows) != expected or len(set(rows)) != len(rows) or min(rows) < 0 or max(rows) >= out.shape[0]:
-        raise _invalid(f"mask rows {list(rows)} must be {expected} distinct rows of a buffer of {out.shape[0]}")
-
-
-def _check_acyclic(parents: Sequence[int]) -> None:
-    """Every node's parent chain must end at the root (-1); a cycle would make the traversal loop forever."""
-    done = [False] * len(parents)
-    for start in range(len(parents)):
-        path: set[int] = set()
-        node = start
-        while node != -1 and not done[node]:
-            if node in path:
-                raise _invalid(f"draft tree: node {node} is its own ancestor")
-            path.add(node)
-            node = parents[node]
-        for visited in path:
-            done[visited] = True
-
-
-def _invalid(message: str) -> GrammarProtocolError:
-    return GrammarProtocolError(Refusal.INVALID_ARGUMENT, message)
+        raise invalid_argument(f"mask rows {list(rows)} must be {expected} distinct rows of a buffer of {out.shape[0]}")

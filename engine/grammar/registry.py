@@ -19,22 +19,24 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from engine.constraint import Constraint
 from engine.grammar.compiler import CompiledConstraint, ConstraintCompiler
-from engine.grammar.constraint import Constraint
 from engine.grammar.enforcement import EnforcementObserver, LoggingObserver
-from engine.grammar.matcher import (
-    CommitResult,
-    DraftTree,
+from engine.grammar.matcher import TokenCalls, VersionedMatcher, fill_mask_rows
+from engine.grammar_calls import (
+    CommitEntry,
+    CommitOutcome,
     GrammarProtocolError,
+    MaskEntry,
+    MaskOutcome,
+    MaskRefusals,
     Refusal,
-    TokenCalls,
-    VersionedMatcher,
-    fill_mask_rows,
+    mask_buffer,
+    mask_outcomes,
 )
 
 log = logging.getLogger(__name__)
@@ -42,84 +44,6 @@ log = logging.getLogger(__name__)
 # Released ids remembered so that a late call is answered RELEASED rather than UNKNOWN; bounded (C9: nothing
 # per request may outlive the service's baseline by more than this fixed-size memory).
 DEFAULT_RELEASED_MEMORY = 65536
-
-
-@dataclass(frozen=True)
-class CommitEntry:
-    """Tokens committed for one request in one step, starting from ordinal ``from_ordinal``."""
-
-    request_id: str
-    from_ordinal: int
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class CommitOutcome:
-    """Either ``result`` (the commit happened) or ``refusal`` with a message (nothing changed)."""
-
-    result: CommitResult | None
-    refusal: Refusal | None = None
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class MaskEntry:
-    """A mask request: one row at ``ordinal``, or the rows of ``draft`` over the state at ``ordinal``."""
-
-    request_id: str
-    ordinal: int
-    draft: DraftTree | None = None
-
-    @property
-    def num_rows(self) -> int:
-        return 1 if self.draft is None else self.draft.num_rows
-
-
-@dataclass(frozen=True)
-class MaskRows:
-    """Computed masks of one entry: ``words`` in xgrammar layout, and which rows allow every token."""
-
-    words: torch.Tensor  # [R, W] int32: bit j of word i set <=> token 32*i + j allowed
-    full: tuple[bool, ...]  # per row: every bit set
-
-
-@dataclass(frozen=True)
-class MaskOutcome:
-    """Either ``rows`` or ``refusal`` with a message. BEHIND is transient: the fence keeps waiting on it."""
-
-    rows: MaskRows | None
-    refusal: Refusal | None = None
-    message: str = ""
-
-
-# A mask batch's refusals, by entry index: (code, message). An entry not in it had its rows written.
-MaskRefusals = dict[int, tuple[Refusal, str]]
-
-
-def mask_buffer(entries: Sequence[MaskEntry], words_per_row: int) -> tuple[torch.Tensor, list[int]]:
-    """A zeroed int32 buffer [N, W] for every entry's rows one after another, and each entry's first row."""
-    starts: list[int] = []
-    total = 0
-    for entry in entries:
-        starts.append(total)
-        total += entry.num_rows
-    return torch.zeros((total, words_per_row), dtype=torch.int32), starts
-
-
-def mask_outcomes(
-    entries: Sequence[MaskEntry], out: torch.Tensor, starts: Sequence[int], refusals: MaskRefusals
-) -> list[MaskOutcome]:
-    """Per-entry outcomes of a batch answered into ``out`` [N, W] (entry i's rows from ``starts[i]``)."""
-    full = (out == -1).all(dim=1).tolist()  # [N]
-    outcomes: list[MaskOutcome] = []
-    for i, (entry, start) in enumerate(zip(entries, starts, strict=True)):
-        refused = refusals.get(i)
-        if refused is not None:
-            outcomes.append(MaskOutcome(None, *refused))
-        else:
-            stop = start + entry.num_rows
-            outcomes.append(MaskOutcome(MaskRows(out[start:stop], tuple(full[start:stop]))))
-    return outcomes
 
 
 class GrammarRegistry:

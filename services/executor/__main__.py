@@ -20,12 +20,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from engine.config import EngineConfig
-from engine.grammar.compiler import model_vocab_size
-from engine.runner import ModelRunner, model_dir
+from engine.executor.runner import ModelRunner
+from engine.model.folder import model_dir, model_vocab_size
+from services.executor.metrics import ExecutorMetrics
 from services.executor.server import start_executor
 from services.grammar_client import GrammarServiceError, RemoteGrammar
 from services.launcher import add_engine_args, engine_config
-from services.metrics import ExecutorMetrics, serve_metrics
+from services.metrics import serve_metrics
 
 READY_LINE = "EXECUTOR_READY port={port}"
 

@@ -9,10 +9,13 @@ differs from zero (seed, logprobs, top logprobs, the new-request part of an entr
 
 from __future__ import annotations
 
-from engine.runner import ModelInfo
+from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult, StepTiming
 from protos import executor_pb2 as pb
+
+# Sent as initial metadata when a session is accepted, so that a client can tell "accepted" from "refused".
+SESSION_METADATA_KEY = "ordinal-executor-instance"
 
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)

@@ -1,4 +1,4 @@
-"""The executor service: one :class:`~engine.runner.ModelRunner` served as ``ordinal.executor.v1.Executor``.
+"""The executor service: one :class:`~engine.executor.runner.ModelRunner` served as ``ordinal.executor.v1.Executor``.
 
 The event loop only reads, converts and answers; every step and release runs on the runner's worker
 thread. A session's messages are launched in arrival order as soon as they are read (launch returns a
@@ -20,19 +20,19 @@ from typing import Any
 import grpc
 
 from engine.errors import InvalidRequestError, ProtocolError
-from engine.runner import ModelInfo, ModelRunner
+from engine.executor.runner import ModelRunner
+from engine.model_info import ModelInfo
 from engine.step import StepPlan, StepResult
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
+from services.executor.convert import SESSION_METADATA_KEY
+from services.executor.metrics import ExecutorMetrics
 from services.grpc_common import StartedServer, start_serving
-from services.metrics import ExecutorMetrics
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-# Sent as initial metadata when a session is accepted, so that a client can tell "accepted" from "refused".
-SESSION_METADATA_KEY = "ordinal-executor-instance"
 # Keepalive finds a peer that vanished without closing its connection (network loss): the session then ends
 # and its buffers are dropped. Clients ping every few seconds, so the server must tolerate that.
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (

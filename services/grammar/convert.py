@@ -11,16 +11,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.errors import InvalidRequestError
-from engine.grammar import (
+from engine.grammar_calls import (
     CommitEntry,
     CommitOutcome,
     CommitResult,
-    Constraint,
-    ConstraintKind,
     DraftTree,
     GrammarProtocolError,
-    JsonSchemaMode,
     MaskEntry,
     MaskOutcome,
     MaskRefusals,

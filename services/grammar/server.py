@@ -27,15 +27,11 @@ import grpc
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.grammar import (
-    CompiledConstraint,
-    ConstraintCompiler,
-    EnforcementObserver,
+from engine.grammar import CompiledConstraint, ConstraintCompiler, EnforcementObserver, GrammarRegistry, MaskFence
+from engine.grammar_calls import (
     GrammarProtocolError,
-    GrammarRegistry,
     InvalidGrammarError,
     MaskEntry,
-    MaskFence,
     MaskRefusals,
     Refusal,
     mask_buffer,

@@ -20,14 +20,15 @@ import sys
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.grammar import CompilerConfig, JsonSchemaMode
-from engine.grammar.backend import LocalGrammar
-from engine.grammar.compiler import model_vocab_size
-from engine.runner import StepRunner, model_dir
+from engine.constraint import JsonSchemaMode
+from engine.grammar_calls import GrammarBackend
+from engine.model.folder import model_dir, model_vocab_size
+from engine.scheduler.engine import Engine
+from engine.step import StepRunner
 from services.grammar_client import GrammarServiceError, RemoteGrammar
 from services.launcher import DEFAULT_PORT, add_engine_args, add_json_schema_args, engine_config, json_schema_mode
-from services.metrics import GrammarMetrics, SchedulerMetrics, serve_metrics
+from services.metrics import serve_metrics
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.server import SchedulerServer
 
 
@@ -72,15 +73,20 @@ def _runner(args: argparse.Namespace) -> StepRunner | None:
 
 
 def _grammar(
-    args: argparse.Namespace, config: EngineConfig, runner: StepRunner | None, metrics: GrammarMetrics
-) -> RemoteGrammar | LocalGrammar | None:
+    args: argparse.Namespace, config: EngineConfig, runner: StepRunner | None, metrics: SchedulerMetrics
+) -> GrammarBackend | None:
     """The grammar service of ``--grammar``, checked to mask exactly the model's vocabulary; without it an
     in-process registry when the model is loaded here too, else None (constraints refused)."""
     if args.grammar is None:
         if runner is not None:
             return None
+        # Lazily: a scheduler with a remote executor and grammar service never loads the grammar engine.
+        from engine.grammar import CompilerConfig
+        from engine.grammar.backend import LocalGrammar
+        from services.grammar.metrics import GrammarMetrics
+
         compiler = CompilerConfig(json_schema_mode=JsonSchemaMode(json_schema_mode(args)))
-        return LocalGrammar(str(model_dir(config)), config=compiler, observer=metrics)
+        return LocalGrammar(str(model_dir(config)), config=compiler, observer=GrammarMetrics(metrics.registry))
     vocab = runner.info.vocab_size if runner is not None else model_vocab_size(model_dir(config))
     try:
         return RemoteGrammar.connect(args.grammar, args.grammar_timeout, vocab_size=vocab)
@@ -106,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = SchedulerMetrics()
     config = engine_config(args)
     runner = _runner(args)
-    grammar = _grammar(args, config, runner, GrammarMetrics(metrics.registry))
+    grammar = _grammar(args, config, runner, metrics)
     engine = Engine(config, runner, observer=metrics, grammar=grammar)
     metrics.watch(engine.stats)
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)

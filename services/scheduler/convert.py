@@ -32,14 +32,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from engine.config import EngineConfig
+from engine.constraint import MODE_PARAM, Constraint, JsonSchemaMode
 from engine.errors import InvalidRequestError
-from engine.grammar.constraint import Constraint, JsonSchemaMode
-from engine.grammar.schema import MODE_PARAM
-from engine.request import RequestOutput, TokenLogprob
-from engine.runner import ModelInfo
+from engine.finish import Finish
+from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerStats
-from engine.stop import Finish
+from engine.scheduler.request import RequestOutput, TokenLogprob
+from engine.scheduler.scheduler import SchedulerStats
 
 # Engine field names whose proto name is not ``sampling_params.<name>``.
 _PROTO_FIELDS = {

@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from engine.engine import Engine
+from engine.scheduler.engine import Engine
 from services.grpc_common import add_health_and_reflection
 from services.scheduler.servicer import (
     SERVICE_NAME,

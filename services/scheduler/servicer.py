@@ -38,13 +38,13 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from engine.engine import Engine, OutputSink
 from engine.errors import InvalidRequestError
+from engine.finish import AbortCause, Finish, FinishReason
 from engine.model.embedded import EMBEDDED_MODEL_NAME
-from engine.request import RequestOutput, TokenLogprob
-from engine.runner import ModelInfo
-from engine.stop import AbortCause, Finish, FinishReason
-from engine.tombstones import TombstoneBounds, Tombstones
+from engine.model_info import ModelInfo
+from engine.scheduler.engine import Engine, OutputSink
+from engine.scheduler.request import RequestOutput, TokenLogprob
+from engine.scheduler.tombstones import TombstoneBounds, Tombstones
 from services.scheduler import convert
 from services.scheduler.convert import GenerateSpec, ModelLimits, ServedModel, ServerState
 from services.scheduler.mailbox import Inbox, Mailbox

@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.grammar.backend import GrammarBackend, LocalGrammar
-from engine.grammar.constraint import Constraint
-from engine.grammar.registry import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals
-from engine.metrics import EngineObserver, NullObserver, RequestFinished, StepCommitted
-from engine.request import RequestOutput
+from engine.constraint import Constraint
+from engine.finish import AbortCause, FinishReason
+from engine.grammar.backend import LocalGrammar
+from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarBackend, MaskEntry, MaskRefusals
 from engine.sampling_params import SamplingParams
-from engine.stop import AbortCause, FinishReason
+from engine.scheduler.engine import Engine
+from engine.scheduler.metrics import EngineObserver, NullObserver, RequestFinished, StepCommitted
+from engine.scheduler.request import RequestOutput
 from services.gate import StepGate, entries_of
 from services.remote_runner import RemoteRunner
 

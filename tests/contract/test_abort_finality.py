@@ -33,11 +33,11 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.constraint import Constraint, ConstraintKind
+from engine.executor.runner import ModelRunner
 from engine.grammar.backend import LocalGrammar
-from engine.grammar.constraint import Constraint, ConstraintKind
-from engine.runner import ModelRunner
-from engine.tombstones import TombstoneBounds
+from engine.scheduler.engine import Engine
+from engine.scheduler.tombstones import TombstoneBounds
 from services.executor.server import ExecutorThread
 from services.gate import decode
 from services.scheduler.server import ThreadedServer

@@ -52,11 +52,11 @@ from hypothesis.stateful import (
 )
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.constraint import Constraint, ConstraintKind
+from engine.executor.runner import ModelRunner
+from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
-from engine.grammar.constraint import Constraint, ConstraintKind
-from engine.runner import ModelRunner
-from engine.stop import AbortCause, FinishReason
+from engine.scheduler.engine import Engine
 from services.executor.server import ExecutorThread
 from services.gate import StepGate, any_step
 from tests.contract.gated_stack import (

@@ -27,12 +27,12 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as spb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as spb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.constraint import Constraint, ConstraintKind
+from engine.executor.runner import ModelRunner
+from engine.finish import FinishReason
 from engine.grammar.backend import LocalGrammar
-from engine.grammar.constraint import Constraint, ConstraintKind
-from engine.request import RequestOutput
-from engine.runner import ModelRunner
-from engine.stop import FinishReason
+from engine.scheduler.engine import Engine
+from engine.scheduler.request import RequestOutput
 from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
 from services.executor.server import ExecutorThread

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.errors import ExecutorUnavailableError, ProtocolError
-from engine.runner import ModelInfo, ModelRunner
+from engine.executor.runner import ModelRunner
+from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult, StepTiming
 from protos import executor_pb2 as pb

@@ -23,21 +23,22 @@ import torch
 import xgrammar as xgr
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.constraint import Constraint, ConstraintKind
 from engine.errors import ProtocolError
+from engine.executor.runner import ModelRunner
+from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info
-from engine.grammar.constraint import Constraint, ConstraintKind
-from engine.grammar.matcher import DraftTree, Refusal
-from engine.grammar.registry import CommitEntry, CommitOutcome, GrammarRegistry, MaskEntry, MaskRefusals
+from engine.grammar.registry import GrammarRegistry
+from engine.grammar_calls import CommitEntry, CommitOutcome, DraftTree, MaskEntry, MaskRefusals, Refusal
 from engine.model.tokenizer import Tokenizer
-from engine.request import Request, RequestOutput
-from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import CommitOutcome as SchedulerOutcome
-from engine.scheduler import Scheduler
+from engine.scheduler.engine import Engine
+from engine.scheduler.request import Request, RequestOutput
+from engine.scheduler.scheduler import CommitOutcome as SchedulerOutcome
+from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.stop import StopChecker
 from engine.step import SampledRun, StepPlan, StepResult
-from engine.stop import AbortCause, FinishReason, StopChecker
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
 VALID_JSON = '{"name": "ab", "age": 12}'

@@ -27,11 +27,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.grammar import (
+from engine.constraint import Constraint, ConstraintKind
+from engine.grammar import ConstraintCompiler
+from engine.grammar_calls import (
     CommitEntry,
-    Constraint,
-    ConstraintCompiler,
-    ConstraintKind,
     DraftTree,
     GrammarProtocolError,
     InvalidGrammarError,

@@ -30,9 +30,10 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.errors import ExecutorUnavailableError
-from engine.runner import ModelInfo, ModelRunner
+from engine.executor.runner import ModelRunner
+from engine.model_info import ModelInfo
+from engine.scheduler.engine import Engine
 from engine.step import StepPlan, StepResult
 from services.scheduler.servicer import SERVICE_NAME
 from services.scheduler.tokenizer_zip import tokenizer_chunks

@@ -13,8 +13,8 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.runner import ModelRunner
+from engine.executor.runner import ModelRunner
+from engine.scheduler.engine import Engine
 from services.executor.server import ExecutorThread
 from services.grammar_client import RemoteGrammar
 from services.remote_runner import RemoteRunner

@@ -22,15 +22,16 @@ import torch
 import xgrammar as xgr
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.constraint import Constraint, ConstraintKind
+from engine.executor.runner import ModelRunner
+from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
-from engine.grammar.compiler import load_tokenizer_info, words_per_row
-from engine.grammar.constraint import Constraint, ConstraintKind
-from engine.grammar.registry import CommitEntry, CommitOutcome, FencedMasks, MaskEntry, MaskRefusals
-from engine.request import RequestOutput
-from engine.runner import ModelRunner
+from engine.grammar.compiler import load_tokenizer_info
+from engine.grammar.registry import FencedMasks
+from engine.grammar_calls import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals, words_per_row
 from engine.sampling_params import SamplingParams
-from engine.stop import AbortCause, FinishReason
+from engine.scheduler.engine import Engine
+from engine.scheduler.request import RequestOutput
 
 SCHEMAS: tuple[dict[str, object], ...] = (
     {"type": "string", "enum": ["yes", "no", "maybe"]},

@@ -34,14 +34,15 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.grammar import CompilerConfig, ConstraintCompiler, InvalidGrammarError, load_tokenizer_info
-from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.constraint import Constraint, ConstraintKind
+from engine.executor.runner import ModelRunner
+from engine.finish import AbortCause
+from engine.grammar import CompilerConfig, ConstraintCompiler, load_tokenizer_info
+from engine.grammar_calls import InvalidGrammarError
 from engine.model.tokenizer import Tokenizer
-from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.scheduler.engine import Engine
 from engine.step import SampledRun, StepEntry, StepPlan, StepResult, StepTiming
-from engine.stop import AbortCause
 from protos import executor_pb2
 from services.executor import convert as executor_convert
 from services.executor.server import ExecutorThread

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.runner import ModelRunner
+from engine.executor.runner import ModelRunner
+from engine.finish import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.stop import FinishReason
+from engine.scheduler.engine import Engine
 from tests.helpers import assert_engine_baseline, length_outputs, random_prompts
 
 

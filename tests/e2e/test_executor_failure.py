@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.scheduler.engine import Engine
 from protos import executor_pb2, executor_pb2_grpc
 from services.remote_runner import RemoteRunner
 from services.scheduler.server import ThreadedServer

@@ -15,8 +15,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from engine.scheduler.engine import Engine
 from tests.e2e.stack import wait_for_idle_load
 from tests.helpers import assert_engine_baseline, serve_scheduler, smg_request
 

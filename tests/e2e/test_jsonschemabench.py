@@ -40,13 +40,13 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.grammar import CompilerConfig, ConstraintCompiler, JsonSchemaMode, JsonSchemaPolicy, load_tokenizer_info
-from engine.grammar.constraint import Constraint, ConstraintKind
+from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
+from engine.finish import AbortCause, FinishReason
+from engine.grammar import CompilerConfig, ConstraintCompiler, JsonSchemaPolicy, load_tokenizer_info
 from engine.grammar.json_schema_compiler import JsonSchemaCompiler
 from engine.model.tokenizer import Tokenizer
-from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stop import AbortCause, FinishReason
+from engine.scheduler.request import RequestOutput
 from services.grammar.server import GrammarThread
 from services.grammar_client import GrammarClient
 from tests.e2e.split import Stack, split_stack

@@ -17,11 +17,11 @@ import grpc
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.request import RequestOutput
-from engine.runner import ModelRunner
+from engine.executor.runner import ModelRunner
+from engine.finish import AbortCause, FinishReason
 from engine.sampling_params import SamplingParams
-from engine.stop import AbortCause, FinishReason
+from engine.scheduler.engine import Engine
+from engine.scheduler.request import RequestOutput
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor.server import ExecutorThread

@@ -25,20 +25,11 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from engine.grammar import (
-    CommitEntry,
-    CompilerConfig,
-    Constraint,
-    ConstraintCompiler,
-    ConstraintKind,
-    GrammarRegistry,
-    InvalidGrammarError,
-    JsonSchemaMode,
-    JsonSchemaPolicy,
-    load_tokenizer_info,
-)
+from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
+from engine.grammar import CompilerConfig, ConstraintCompiler, GrammarRegistry, JsonSchemaPolicy, load_tokenizer_info
 from engine.grammar.json_schema_compiler import JsonSchemaCompiler
 from engine.grammar.schema_check import SchemaCheckError
+from engine.grammar_calls import CommitEntry, InvalidGrammarError
 from engine.model.tokenizer import Tokenizer
 from tests.unit.test_json_schema_policy import FUZZ_VALUES, SchemaFuzzer, accepts
 

@@ -14,26 +14,27 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from engine.constraint import Constraint, ConstraintKind
 from engine.grammar import (
-    CommitEntry,
-    CommitResult,
     CompiledConstraint,
-    Constraint,
     ConstraintCompiler,
-    ConstraintKind,
-    DraftTree,
-    GrammarProtocolError,
     GrammarRegistry,
-    GrammarTimeoutError,
-    InvalidGrammarError,
-    MaskEntry,
     MaskFence,
-    MaskOutcome,
     MatcherState,
-    Refusal,
     VersionedMatcher,
 )
 from engine.grammar.matcher import TokenCalls, fill_mask_rows
+from engine.grammar_calls import (
+    CommitEntry,
+    CommitResult,
+    DraftTree,
+    GrammarProtocolError,
+    GrammarTimeoutError,
+    InvalidGrammarError,
+    MaskEntry,
+    MaskOutcome,
+    Refusal,
+)
 from engine.model.tokenizer import Tokenizer
 
 SCHEMA = '{"type":"object","properties":{"name":{"type":"string"},"n":{"type":"integer"}},"required":["name","n"]}'

@@ -19,16 +19,9 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from engine.grammar import (
-    CompilerConfig,
-    Constraint,
-    ConstraintCompiler,
-    ConstraintKind,
-    InvalidGrammarError,
-    JsonSchemaMode,
-    JsonSchemaPolicy,
-    load_tokenizer_info,
-)
+from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
+from engine.grammar import CompilerConfig, ConstraintCompiler, JsonSchemaPolicy, load_tokenizer_info
+from engine.grammar_calls import InvalidGrammarError
 
 BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "jsonschemabench"
 POLICY = JsonSchemaPolicy()

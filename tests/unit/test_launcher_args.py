@@ -349,7 +349,7 @@ def test_executor_subcommand_execs_the_service_module() -> None:
 
 
 def test_grammar_service_checks_json_schemas_unless_told_otherwise() -> None:
-    from engine.grammar import JsonSchemaMode
+    from engine.constraint import JsonSchemaMode
     from services.grammar.__main__ import build_parser as grammar_parser
 
     assert set(JSON_SCHEMA_MODES) == {m.value for m in JsonSchemaMode}

@@ -14,15 +14,17 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.errors import ProtocolError
-from engine.metrics import RequestFinished, RequestTimeline, StepCommitted
-from engine.request import RequestOutput
-from engine.runner import ModelRunner
+from engine.executor.runner import ModelRunner
+from engine.finish import AbortCause, Finish, FinishReason
 from engine.sampling_params import SamplingParams
+from engine.scheduler.engine import Engine
+from engine.scheduler.metrics import RequestFinished, RequestTimeline, StepCommitted
+from engine.scheduler.request import RequestOutput
 from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult, StepTiming
-from engine.stop import AbortCause, Finish, FinishReason
-from services.metrics import ExecutorMetrics, SchedulerMetrics, serve_metrics
+from services.executor.metrics import ExecutorMetrics
+from services.metrics import serve_metrics
+from services.scheduler.metrics import SchedulerMetrics
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -311,17 +313,11 @@ def test_grammar_metrics_count_keywords_by_enforcer_and_violations(embedded_mode
     """A real registry in checked mode reporting to GrammarMetrics: each opened JSON-schema request counts its mode
     and its keywords, by whether the grammar enforces them or the output check does; a violation found at commit
     counts its keyword. A strict request's keywords are all the grammar's."""
-    from engine.grammar import (
-        CommitEntry,
-        CompilerConfig,
-        Constraint,
-        ConstraintCompiler,
-        ConstraintKind,
-        GrammarRegistry,
-        JsonSchemaMode,
-    )
+    from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
+    from engine.grammar import CompilerConfig, ConstraintCompiler, GrammarRegistry
+    from engine.grammar_calls import CommitEntry
     from engine.model.tokenizer import Tokenizer
-    from services.metrics import GrammarMetrics
+    from services.grammar.metrics import GrammarMetrics
 
     metrics = GrammarMetrics()
     compiler = ConstraintCompiler.from_model_dir(embedded_model_dir, CompilerConfig(workers=1))

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingState
+from engine.executor.sampler import Sampler, SamplingState
 from engine.sampling_params import SamplingParams
 
 V = 50  # deliberately not a multiple of 32

@@ -9,15 +9,16 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
+from engine.constraint import Constraint, ConstraintKind
 from engine.errors import ProtocolError
-from engine.grammar.constraint import Constraint, ConstraintKind
-from engine.grammar.matcher import CommitResult, Refusal
-from engine.grammar.registry import CommitOutcome as GrammarOutcome
-from engine.request import IllegalTransitionError, Request, RequestState
+from engine.finish import AbortCause, FinishReason
+from engine.grammar_calls import CommitOutcome as GrammarOutcome
+from engine.grammar_calls import CommitResult, Refusal
 from engine.sampling_params import SamplingParams
-from engine.scheduler import CommitOutcome, Scheduler
+from engine.scheduler.request import IllegalTransitionError, Request, RequestState
+from engine.scheduler.scheduler import CommitOutcome, Scheduler
+from engine.scheduler.stop import StopChecker
 from engine.step import SampledRun, StepPlan, StepResult
-from engine.stop import AbortCause, FinishReason, StopChecker
 
 EOS = 2
 

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ProtocolError
+from engine.finish import Finish, FinishReason
 from engine.sampling_params import SamplingParams
-from engine.stop import Finish, FinishReason, StopChecker, StopUpdate
+from engine.scheduler.detokenizer import IncrementalDetokenizer
+from engine.scheduler.stop import StopChecker, StopUpdate
 
 END = "<|end|>"
 CORPUS = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.executor.sampler import Sampler, SamplingState
 from engine.model.native import TokenBitmaskKernel, token_bitmask_kernel
-from engine.sampler import Sampler, SamplingState
 from engine.sampling_params import SamplingParams
 
 VOCAB = 2050  # not a multiple of 32: the last word has bits past the vocabulary

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tombstones import TombstoneBounds, Tombstones
+from engine.scheduler.tombstones import TombstoneBounds, Tombstones
 
 
 class Clock:

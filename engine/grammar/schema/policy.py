@@ -64,13 +64,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.constraint import MODE_PARAM
 from engine.grammar.schema.refused import Unenforced
 from engine.grammar.schema.values import same_json
 from engine.grammar.schema.walker import Walker
 
 XGRAMMAR = "xgrammar 0.2.9"
 MODE_FLAG = "--json-schema"  # the grammar service's flag choosing strict, checked or loose
-MODE_PARAM = "json_schema_mode"  # the request's choice (SamplingParams.custom_params), which overrides the flag
 
 
 @dataclass(frozen=True)

@@ -28,19 +28,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.constraint import Constraint
 from engine.errors import ExecutorUnavailableError, InvalidRequestError
-from engine.grammar.backend import GrammarBackend, LocalGrammar
-from engine.grammar.constraint import Constraint
-from engine.grammar.registry import CommitEntry
-from engine.grammar.registry import CommitOutcome as GrammarCommitOutcome
-from engine.metrics import EngineObserver, NullObserver, RequestTimeline
+from engine.finish import AbortCause, Finish, FinishReason
+from engine.grammar_calls import CommitEntry, GrammarBackend
+from engine.grammar_calls import CommitOutcome as GrammarCommitOutcome
+from engine.model.folder import model_dir
 from engine.model.tokenizer import Tokenizer
-from engine.request import Request, RequestOutput
-from engine.runner import ModelRunner, StepRunner, model_dir
 from engine.sampling_params import SamplingParams
-from engine.scheduler import CommitOutcome, Scheduler, SchedulerStats, pages_for
-from engine.step import StepPlan, StepResult
-from engine.stop import AbortCause, Finish, FinishReason, StopChecker
+from engine.scheduler.metrics import EngineObserver, NullObserver, RequestTimeline
+from engine.scheduler.request import Request, RequestOutput
+from engine.scheduler.scheduler import CommitOutcome, Scheduler, SchedulerStats, pages_for
+from engine.scheduler.stop import StopChecker
+from engine.step import StepPlan, StepResult, StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,11 @@ class Engine:
         given. With a remote runner, ``grammar`` is the grammar service the executor uses too (None: constrained
         requests are refused)."""
         self.config = config
-        if runner is None and grammar is None:
-            grammar = LocalGrammar(str(model_dir(config)))
+        self._close_grammar: Callable[[], None] | None = None  # the grammar registry this engine built, if any
+        if runner is None:
+            runner, grammar, self._close_grammar = _in_process(config, grammar)
         self.grammar = grammar
-        self.runner: StepRunner = runner if runner is not None else ModelRunner.load(config, grammar)
+        self.runner: StepRunner = runner
         self.info = self.runner.info
         if (self.info.page_size, self.info.num_pages) != (config.page_size, config.num_pages):
             raise ValueError(
@@ -244,8 +245,8 @@ class Engine:
         self._thread.join(timeout=60)
         self._compiler.shutdown(wait=False, cancel_futures=True)
         self.runner.shutdown()
-        if isinstance(self.grammar, LocalGrammar):
-            self.grammar.shutdown()
+        if self._close_grammar is not None:
+            self._close_grammar()
 
     def __enter__(self) -> Engine:
         return self
@@ -470,6 +471,22 @@ class Engine:
         for rid in tuple(self._live):
             self._inbox.put(_Abort(rid, message, AbortCause.SHUTDOWN))
         self._drain_inbox()
+
+
+def _in_process(
+    config: EngineConfig, grammar: GrammarBackend | None
+) -> tuple[StepRunner, GrammarBackend, Callable[[], None] | None]:
+    """The executor side built in this process: the model, and a grammar registry unless one is given (then also
+    how to close it). Imported here, not at the top, so that the scheduler side alone never loads the model or the
+    grammar engine."""
+    from engine.executor.runner import ModelRunner
+    from engine.grammar.backend import LocalGrammar
+
+    close = None
+    if grammar is None:
+        local = LocalGrammar(str(model_dir(config)))
+        grammar, close = local, local.shutdown
+    return ModelRunner.load(config, grammar), grammar, close
 
 
 def _finish_setter(fut: Future[RequestOutput]) -> OutputSink:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.grammar.constraint import Constraint
+from engine.constraint import Constraint
+from engine.finish import Finish
 from engine.kv.prefix_cache import RadixNode
 from engine.sampling_params import SamplingParams
-from engine.stop import Finish, StopChecker
+from engine.scheduler.stop import StopChecker
 
 
 class RequestState(enum.Enum):

@@ -13,59 +13,22 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from engine.config import EngineConfig
 from engine.errors import ProtocolError
-from engine.grammar.backend import GrammarBackend
-from engine.grammar.masks import MaskFetcher, PendingMasks, StepMasks
+from engine.executor.masks import MaskFetcher, PendingMasks, StepMasks
+from engine.executor.sampler import Sampler, SamplingState
+from engine.grammar_calls import GrammarBackend
 from engine.kv.pool import KVPool
-from engine.model.embedded import ensure_embedded_model
+from engine.model.folder import model_dir
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.tokenizer import Tokenizer
-from engine.sampler import Sampler, SamplingState
+from engine.model_info import ModelInfo
 from engine.step import SampledRun, StepEntry, StepPlan, StepResult, StepTiming
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the scheduler needs to know about the executor's model (the executor reports it)."""
-
-    model_path: str
-    vocab_size: int
-    max_context: int
-    eos_token_ids: frozenset[int]
-    bos_token_id: int | None
-    pad_token_id: int | None
-    page_size: int
-    num_pages: int
-
-
-class StepRunner(Protocol):
-    """The executor as the scheduler's loop sees it: in process (:class:`ModelRunner`) or over gRPC.
-
-    Steps run in launch order; a release is queued behind every step launched before it (C9)."""
-
-    info: ModelInfo
-
-    def launch(self, plan: StepPlan) -> Future[StepResult]: ...
-
-    def release(self, slots: Sequence[int]) -> Future[None]: ...
-
-    def shutdown(self) -> None: ...
-
-    def healthy(self) -> bool:
-        """True when the executor answers now (bounded wait)."""
-        ...
-
-    def take_loss(self) -> str | None:
-        """Why the executor lost its state (KV, buffers) if no launched step has reported it yet; else None."""
-        ...
 
 
 @dataclass
@@ -339,10 +302,3 @@ class ModelRunner:
 
 def _logits_mode(entry: StepEntry) -> LogitsMode:
     return LogitsMode.LAST if entry.sample else LogitsMode.NONE
-
-
-def model_dir(config: EngineConfig) -> Path:
-    """The model folder ``config`` names: its ``model_path``, or the embedded default (built on first use)."""
-    if config.model_path:
-        return Path(config.model_path)
-    return ensure_embedded_model(Path(config.cache_dir) if config.cache_dir else None)

@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import ProtocolError
-from engine.grammar.registry import CommitEntry
-from engine.grammar.registry import CommitOutcome as GrammarCommitOutcome
+from engine.finish import AbortCause, Finish, FinishReason
+from engine.grammar_calls import CommitEntry
+from engine.grammar_calls import CommitOutcome as GrammarCommitOutcome
 from engine.kv.allocator import PageAllocator
 from engine.kv.prefix_cache import RadixNode, RadixPrefixCache
 from engine.kv.slots import SlotTable
-from engine.request import Request, RequestOutput, RequestState, TokenLogprob
+from engine.scheduler.request import Request, RequestOutput, RequestState, TokenLogprob
 from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult
-from engine.stop import AbortCause, Finish, FinishReason
 
 
 @dataclass

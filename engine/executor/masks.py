@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.grammar.backend import FencingBackend, GrammarBackend, MaskWait
-from engine.grammar.registry import MaskEntry, MaskRefusals
+from engine.grammar_calls import FencingBackend, GrammarBackend, MaskEntry, MaskRefusals, MaskWait
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
 

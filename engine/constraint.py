@@ -18,6 +18,9 @@ class ConstraintKind(enum.Enum):
     STRUCTURAL_TAG = "structural_tag"
 
 
+MODE_PARAM = "json_schema_mode"  # a request's choice of JsonSchemaMode (SamplingParams.custom_params)
+
+
 class JsonSchemaMode(enum.Enum):
     """How a JSON schema the grammar cannot enforce exactly is served. The value is its name in flags and requests.
 

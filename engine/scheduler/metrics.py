@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.request import RequestOutput
-from engine.scheduler import SchedulerStats
+from engine.finish import AbortCause, FinishReason
+from engine.scheduler.request import RequestOutput
+from engine.scheduler.scheduler import SchedulerStats
 from engine.step import StepPlan, StepResult
-from engine.stop import AbortCause, FinishReason
 
 log = logging.getLogger(__name__)
 

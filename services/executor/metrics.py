@@ -1,0 +1,54 @@
+"""The executor's Prometheus metrics: time and size of each executed step, and live per-request buffers.
+
+:class:`ExecutorMetrics` records each executed step (:meth:`ExecutorMetrics.track_step` on the future that
+``runner.launch`` returns) and reads the live per-request buffer count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.step import StepPlan, StepResult
+from services.metrics import STEP_BUCKETS
+
+
+class ExecutorMetrics:
+    """The executor's metrics: time and size of each executed step, and live per-request buffers."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self._step = Histogram(
+            "ordinal_executor_step_seconds",
+            "Forward and sampling time per executed step.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self._tokens = Counter("ordinal_executor_tokens", "Tokens run through the model.", registry=r)
+        self._samples = Counter("ordinal_executor_samples", "Tokens sampled.", registry=r)
+        self._buffers = Gauge(
+            "ordinal_executor_buffers_alive", "Per-request buffers (sampling state) held now.", registry=r
+        )
+
+    def step_executed(self, seconds: float, num_tokens: int, num_samples: int) -> None:
+        """Record one executed step: ``seconds`` is the executor's time for it (``StepTiming.done``)."""
+        self._step.observe(seconds)
+        self._tokens.inc(num_tokens)
+        self._samples.inc(num_samples)
+
+    def track_step(self, plan: StepPlan, future: Future[StepResult]) -> None:
+        """Record ``plan`` once its launched ``future`` succeeds (a failed step is not a step executed)."""
+
+        def done(f: Future[StepResult]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                result = f.result()
+                self.step_executed(result.timing.done, plan.num_tokens, sum(len(r.token_ids) for r in result.runs))
+
+        future.add_done_callback(done)
+
+    def watch_buffers(self, count: Callable[[], int]) -> None:
+        """Read the buffer gauge from ``count`` (typically ``lambda: runner.num_buffers``) on every scrape."""
+        self._buffers.set_function(lambda: float(count()))
