@@ -84,18 +84,18 @@ class GrammarServiceState:
 # ---------------------------------------------------------------- request building and reply reading
 
 
-def _open_request(entries: Sequence[tuple[str, Constraint]], deadline_s: float | None) -> pb.OpenRequest:
+def open_request(entries: Sequence[tuple[str, Constraint]], deadline_s: float | None) -> pb.OpenRequest:
     return pb.OpenRequest(
         entries=[pb.OpenEntry(request_id=rid, constraint=convert.constraint_to_proto(c)) for rid, c in entries],
         deadline_ms=_ms(deadline_s),
     )
 
 
-def _fill_request(entries: Sequence[MaskEntry], deadline_s: float | None) -> pb.FillMasksRequest:
+def fill_request(entries: Sequence[MaskEntry], deadline_s: float | None) -> pb.FillMasksRequest:
     return pb.FillMasksRequest(entries=[convert.mask_entry_to_proto(e) for e in entries], deadline_ms=_ms(deadline_s))
 
 
-def _open_outcomes(reply: pb.OpenReply, entries: Sequence[tuple[str, Constraint]]) -> list[OpenOutcome]:
+def open_outcomes(reply: pb.OpenReply, entries: Sequence[tuple[str, Constraint]]) -> list[OpenOutcome]:
     _check_count("Open", len(reply.results), len(entries))
     return [_open_outcome(result, constraint) for result, (_, constraint) in zip(reply.results, entries, strict=True)]
 
@@ -110,17 +110,17 @@ def _open_outcome(result: pb.OpenResult, constraint: Constraint) -> OpenOutcome:
     return OpenOutcome(GrammarProtocolError(convert.refusal_from_code(result.code, "Open"), result.message))
 
 
-def _commit_outcomes(reply: pb.CommitReply, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
+def commit_outcomes(reply: pb.CommitReply, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
     _check_count("Commit", len(reply.results), len(entries))
     return [convert.commit_outcome_from_proto(r, e.request_id) for r, e in zip(reply.results, entries, strict=True)]
 
 
-def _release_outcomes(reply: pb.ReleaseReply, request_ids: Sequence[str]) -> list[Refusal | None]:
+def release_outcomes(reply: pb.ReleaseReply, request_ids: Sequence[str]) -> list[Refusal | None]:
     _check_count("Release", len(reply.codes), len(request_ids))
     return [None if code == pb.OK else convert.refusal_from_code(code, "Release") for code in reply.codes]
 
 
-def _state(reply: pb.GrammarState) -> GrammarServiceState:
+def service_state(reply: pb.GrammarState) -> GrammarServiceState:
     return GrammarServiceState(
         num_open=reply.num_open,
         vocab_size=reply.vocab_size,
@@ -249,87 +249,45 @@ class GrammarClient:
 
     def open(self, entries: Sequence[tuple[str, Constraint]], deadline_s: float | None = None) -> list[OpenOutcome]:
         """Compile and open ``(request_id, constraint)`` pairs; ``deadline_s`` bounds the compiles (None: server's)."""
-        reply = self._stub.Open(_open_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
-        return _open_outcomes(reply, entries)
+        reply = self._stub.Open(open_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
+        return open_outcomes(reply, entries)
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         reply = self._stub.Commit(
             pb.CommitRequest(entries=[convert.commit_entry_to_proto(e) for e in entries]), timeout=self._timeout_s
         )
-        return _commit_outcomes(reply, entries)
+        return commit_outcomes(reply, entries)
 
     def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float | None = None) -> list[MaskOutcome]:
         """Fenced masks; ``deadline_s`` is how long an entry may wait for its commit (None: the server's default)."""
-        reply = self._stub.FillMasks(_fill_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
+        reply = self._stub.FillMasks(fill_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
         return convert.decode_masks(reply, entries)
 
     def release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
         reply = self._stub.Release(pb.ReleaseRequest(request_ids=list(request_ids)), timeout=self._timeout_s)
-        return _release_outcomes(reply, request_ids)
+        return release_outcomes(reply, request_ids)
 
     def get_state(self) -> GrammarServiceState:
-        return _state(self._stub.GetState(pb.StateRequest(), timeout=self._timeout_s))
+        return service_state(self._stub.GetState(pb.StateRequest(), timeout=self._timeout_s))
 
     # The per-step calls over the Stream RPC: the same answers as the unary calls above, for the cost of a stream
     # message. They raise GrammarStreamError (not grpc.RpcError) when the stream fails.
 
     def stream_commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         request = pb.StreamRequest(commit=pb.CommitRequest(entries=[convert.commit_entry_to_proto(e) for e in entries]))
-        return _commit_outcomes(self._commit_stream.exchange(request, self._timeout_s).commit, entries)
+        return commit_outcomes(self._commit_stream.exchange(request, self._timeout_s).commit, entries)
 
     def stream_fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float | None, out: torch.Tensor, starts: Sequence[int]
     ) -> MaskRefusals:
         """Fenced masks written straight into ``out`` [N, W] (entry i's rows from ``starts[i]``); the refusals."""
-        request = pb.StreamRequest(fill_masks=_fill_request(entries, deadline_s))
+        request = pb.StreamRequest(fill_masks=fill_request(entries, deadline_s))
         reply = self._mask_stream.exchange(request, self._timeout_s + (deadline_s or 0)).fill_masks
         return convert.decode_masks_into(reply, entries, out, starts)
 
     def stream_release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
         request = pb.StreamRequest(release=pb.ReleaseRequest(request_ids=list(request_ids)))
-        return _release_outcomes(self._commit_stream.exchange(request, self._timeout_s).release, request_ids)
-
-
-class AsyncGrammarClient:
-    """The asyncio twin of :class:`GrammarClient` (``grpc.aio``); create and use it on one event loop."""
-
-    def __init__(self, target: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.GrammarStub(self._channel)
-        self._timeout_s = timeout_s
-
-    async def __aenter__(self) -> AsyncGrammarClient:
-        return self
-
-    async def __aexit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def open(
-        self, entries: Sequence[tuple[str, Constraint]], deadline_s: float | None = None
-    ) -> list[OpenOutcome]:
-        reply = await self._stub.Open(_open_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
-        return _open_outcomes(reply, entries)
-
-    async def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
-        reply = await self._stub.Commit(
-            pb.CommitRequest(entries=[convert.commit_entry_to_proto(e) for e in entries]), timeout=self._timeout_s
-        )
-        return _commit_outcomes(reply, entries)
-
-    async def fill_masks(self, entries: Sequence[MaskEntry], deadline_s: float | None = None) -> list[MaskOutcome]:
-        request = _fill_request(entries, deadline_s)
-        reply = await self._stub.FillMasks(request, timeout=self._timeout_s + (deadline_s or 0))
-        return convert.decode_masks(reply, entries)
-
-    async def release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
-        reply = await self._stub.Release(pb.ReleaseRequest(request_ids=list(request_ids)), timeout=self._timeout_s)
-        return _release_outcomes(reply, request_ids)
-
-    async def get_state(self) -> GrammarServiceState:
-        return _state(await self._stub.GetState(pb.StateRequest(), timeout=self._timeout_s))
+        return release_outcomes(self._commit_stream.exchange(request, self._timeout_s).release, request_ids)
 
 
 class GrammarServiceError(RuntimeError):

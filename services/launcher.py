@@ -20,166 +20,46 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import json
 import os
-import re
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import IO, TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+from services.flags import (
+    DEFAULT_EXECUTOR_PORT,
+    DEFAULT_GATEWAY_PORT,
+    DEFAULT_GRAMMAR_PORT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_PORT,
+    LOG_LEVELS,
+    add_engine_tuning_args,
+    add_json_schema_args,
+    add_model_args,
+    engine_argv,
+    engine_config,
+    json_schema_mode,
+    model_folder,
+)
+from services.gateway import find_smg, gateway, smg_argv
+from services.probes import healthcheck
+from services.supervisor import (
+    ServiceFailedError,
+    StopRequestedError,
+    Supervisor,
+    install_stop_handlers,
+    say,
+)
 
 if TYPE_CHECKING:  # engine modules import torch (seconds): only the subcommands that run an engine load them
-    from engine.config import EngineConfig
     from engine.sampling_params import SamplingParams
     from engine.scheduler.engine import Engine
 
 SAMPLE_PROMPT = "Write a JSON object that describes a small cat."
-DEFAULT_PORT = 30000
-DEFAULT_EXECUTOR_PORT = 30001
-DEFAULT_GRAMMAR_PORT = 30002
-DEFAULT_GATEWAY_PORT = 8000
-DEFAULT_METRICS_PORT = 29000
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # logging's names; lower case is accepted too
-JSON_SCHEMA_MODES = ("strict", "checked", "loose")  # engine.grammar.JsonSchemaMode's values (no engine import here)
-DEFAULT_JSON_SCHEMA_MODE = "checked"
-READY_LINE = re.compile(r"^(?P<service>[A-Z]+)_READY port=(?P<port>\d+)\s*$")
-TAIL_LINES = 40
-
-
-# ==================================================================================================== engine flags
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of every process that builds an engine (serve, generate, executor, scheduler)."""
-    _add_model_args(parser)
-    _add_engine_tuning_args(parser)
-    obs = parser.add_argument_group("observability")
-    obs.add_argument(
-        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port at /metrics (0 = off)"
-    )
-    obs.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging verbosity")
-
-
-def add_json_schema_args(parser: argparse.ArgumentParser) -> None:
-    """``--json-schema`` (and its older spelling ``--loose-json-schema``): how the grammar reads JSON schemas."""
-    group = parser.add_argument_group("JSON schemas")
-    group.add_argument(
-        "--json-schema",
-        choices=JSON_SCHEMA_MODES,
-        default=None,
-        help=f"how JSON schemas are served when a request does not say (default: {DEFAULT_JSON_SCHEMA_MODE}). "
-        "strict: only schemas the grammar enforces exactly, others refused naming keyword and place; checked: every "
-        "schema xgrammar compiles, the keywords it cannot enforce checked on the output (a violation aborts the "
-        "request, naming keyword, place and value); loose: as given, some keywords enforced loosely (SGLang's way)",
-    )
-    group.add_argument("--loose-json-schema", action="store_true", help="the same as --json-schema loose")
-
-
-def json_schema_mode(args: argparse.Namespace) -> str:
-    """The mode ``--json-schema`` / ``--loose-json-schema`` chose (a value of engine.grammar.JsonSchemaMode)."""
-    if args.loose_json_schema:
-        if args.json_schema not in (None, "loose"):
-            raise SystemExit(f"--loose-json-schema contradicts --json-schema {args.json_schema}")
-        return "loose"
-    return str(args.json_schema or DEFAULT_JSON_SCHEMA_MODE)
-
-
-def _engine_defaults() -> EngineConfig:
-    from engine.config import EngineConfig
-
-    return EngineConfig()
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    defaults = _engine_defaults()
-    group = parser.add_argument_group("model")
-    group.add_argument(
-        "--model",
-        default=None,
-        metavar="PATH",
-        help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json, tokenizer_config.json); "
-        "default: the embedded tiny model, built locally on first use",
-    )
-    group.add_argument("--device", default=defaults.device, help="cpu, cuda or cuda:N")
-    group.add_argument(
-        "--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"], help="weights and KV cache dtype"
-    )
-    return group
-
-
-def _add_engine_tuning_args(parser: argparse.ArgumentParser) -> None:
-    defaults = _engine_defaults()
-    kv = parser.add_argument_group("KV cache (executor and scheduler must agree)")
-    kv.add_argument("--page-size", type=int, default=defaults.page_size, help="tokens per KV page")
-    kv.add_argument("--num-pages", type=int, default=defaults.num_pages, help="KV pages in the pool")
-    kv.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
-    sched = parser.add_argument_group("scheduling")
-    sched.add_argument("--max-running", type=int, default=defaults.max_running, help="requests admitted at once")
-    sched.add_argument("--chunk-size", type=int, default=defaults.chunk_size, help="max prefill tokens per step")
-    sched.add_argument("--no-overlap", action="store_true", help="commit step N before launching N+1")
-    sched.add_argument(
-        "--grammar-overlap",
-        choices=["on", "off"],
-        default="on" if defaults.grammar_overlap else "off",
-        help="on: constrained requests stay overlapped (the executor waits for each step's fenced grammar masks "
-        "while the forward runs); off: the scheduler commits before launching a constrained step and the executor "
-        "never waits (executor and scheduler must agree)",
-    )
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from engine.config import EngineConfig
-
-    return EngineConfig(
-        model_path=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        max_running=args.max_running,
-        chunk_size=args.chunk_size,
-        overlap=not args.no_overlap,
-        prefix_cache=not args.no_prefix_cache,
-        grammar_overlap=args.grammar_overlap == "on",
-    )
-
-
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags of ``args`` spelled back as a command line (``--model`` and observability excluded)."""
-    argv = [
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--page-size",
-        str(args.page_size),
-        "--num-pages",
-        str(args.num_pages),
-        "--max-running",
-        str(args.max_running),
-        "--chunk-size",
-        str(args.chunk_size),
-        "--grammar-overlap",
-        args.grammar_overlap,
-    ]
-    if args.no_overlap:
-        argv.append("--no-overlap")
-    if args.no_prefix_cache:
-        argv.append("--no-prefix-cache")
-    return argv
 
 
 # ==================================================================================================== the parser
@@ -237,10 +117,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     net.add_argument("--grammar-port", type=int, default=DEFAULT_GRAMMAR_PORT, help="the grammar service's gRPC port")
     net.add_argument("--gateway-port", type=int, default=DEFAULT_GATEWAY_PORT, help="the OpenAI HTTP API port")
     net.add_argument("--no-gateway", action="store_true", help="do not start the smg gateway (gRPC only)")
-    _add_model_args(serve).add_argument(
+    add_model_args(serve).add_argument(
         "--served-model-name", default=None, help="model id clients use (default: chosen by the scheduler)"
     )
-    _add_engine_tuning_args(serve)
+    add_engine_tuning_args(serve)
     add_json_schema_args(serve)
     obs = serve.add_argument_group("observability and process control")
     obs.add_argument(
@@ -313,8 +193,8 @@ def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
         help="load the model in this process and stream one completion (no services)",
         formatter_class=_HelpFormatter,
     )
-    _add_model_args(gen)
-    _add_engine_tuning_args(gen)
+    add_model_args(gen)
+    add_engine_tuning_args(gen)
     gen.add_argument("--prompt", default=SAMPLE_PROMPT, help="the prompt to complete (chat template applied)")
     gen.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -391,26 +271,26 @@ def serve(args: argparse.Namespace) -> int:
     """Start grammar, executor, scheduler and gateway; block until a signal or a service dies. The exit code."""
     _check_ports(args)
     smg = None if args.no_gateway else find_smg()  # before anything starts: a missing gateway is a usage error
-    model_dir = _model_dir(args.model)
-    stop = _install_stop_handlers()
+    model_dir = model_folder(args.model)
+    stop = install_stop_handlers()
     with Supervisor(stop, args.stop_timeout) as sup:
         try:
             endpoints = _start_stack(sup, args, model_dir, smg)
         except ServiceFailedError as exc:
-            _say(str(exc))
+            say(str(exc))
             return 1
         except StopRequestedError:
-            _say("stopping before every service was ready")
+            say("stopping before every service was ready")
             return 0
         print(_banner(endpoints, model_dir), flush=True)
         print(endpoints.ready_line(), flush=True)
         dead = sup.wait_until_stopped_or_dead()
         if dead:
             for child in dead:
-                _say(child.death_report())
-            _say("stopping the other services")
+                say(child.death_report())
+            say("stopping the other services")
             return 1
-        _say("stopping (signal received)")
+        say("stopping (signal received)")
         return 0
 
 
@@ -421,19 +301,6 @@ def _check_ports(args: argparse.Namespace) -> None:
             raise SystemExit(f"ordinal serve: --{flag.replace('_', '-')} must be in [0, 65535], got {value}")
     if args.metrics_port > 65532:
         raise SystemExit("ordinal serve: --metrics-port needs four ports: use at most 65532")
-
-
-def _model_dir(model: str | None) -> Path:
-    """The model folder every process gets explicitly: built once here so the children find it cached."""
-    if model is not None:
-        path = Path(model).expanduser().resolve()
-        if not path.is_dir():
-            raise SystemExit(f"ordinal: --model {model}: no such folder")
-        return path
-    from engine.model.embedded import ensure_embedded_model
-
-    _say("preparing the embedded default model (built once, then cached) ...")
-    return ensure_embedded_model()
 
 
 def _metrics_ports(args: argparse.Namespace) -> dict[str, int]:
@@ -540,363 +407,6 @@ def _banner(ep: Endpoints, model_dir: Path) -> str:
         lines.append(f"Gateway off: clients speak SGLang's SglangScheduler gRPC API at {scheduler}.")
     lines += ["", "Ctrl-C (or SIGTERM) stops every service.", ""]
     return "\n".join(lines)
-
-
-def _say(message: str) -> None:
-    print(f"ordinal: {message}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------------- signals
-
-
-@dataclass
-class StopSignal:
-    """Set by SIGINT/SIGTERM. A second signal while stopping asks for ``force`` (kill without waiting)."""
-
-    requested: threading.Event = field(default_factory=threading.Event)
-    force: threading.Event = field(default_factory=threading.Event)
-
-    def handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested.is_set():
-            self.force.set()
-        self.requested.set()
-
-
-def _install_stop_handlers() -> StopSignal:
-    stop = StopSignal()
-    signal.signal(signal.SIGINT, stop.handle)
-    signal.signal(signal.SIGTERM, stop.handle)
-    return stop
-
-
-class StopRequestedError(Exception):
-    """A stop signal arrived while services were starting."""
-
-
-class ServiceFailedError(Exception):
-    """A service died or did not become ready; the message says which and why."""
-
-
-# ---------------------------------------------------------------------------------------------------- children
-
-
-@dataclass
-class Child:
-    """One service process: its command line, its output tails and, once it said so, its READY port."""
-
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen[str]
-    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    stdout_tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    ready_port: int | None = None
-    ready_service: str | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-    readers: list[threading.Thread] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def exited(self) -> int | None:
-        """The exit code once the process has ended (negative: killed by that signal), else None."""
-        return self.proc.poll()
-
-    def death_report(self) -> str:
-        code = self.exited()
-        how = f"exit code {code}"
-        if code is not None and code < 0:
-            with contextlib.suppress(ValueError):
-                how += f" (killed by {signal.Signals(-code).name})"
-        tail = list(self.stderr_tail) or list(self.stdout_tail)
-        lines = [f"{self.name} (pid {self.pid}) exited with {how}"]
-        if tail:
-            lines.append(f"last lines of {self.name}'s output:")
-            lines += [f"  | {line}" for line in tail]
-        return "\n".join(lines)
-
-
-class Supervisor:
-    """Starts services in order, waits for each to be ready, watches them, and stops them in reverse order.
-
-    Every child runs in its own session (so a terminal's Ctrl-C reaches only the launcher, which then stops the
-    children in order) and, on Linux, is sent SIGTERM if the launcher itself dies without cleaning up.
-    """
-
-    POLL_S = 0.1
-
-    def __init__(self, stop: StopSignal, stop_timeout: float) -> None:
-        self._stop = stop
-        self._stop_timeout = stop_timeout
-        self._children: list[Child] = []
-        self._out_lock = threading.Lock()
-
-    def __enter__(self) -> Supervisor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop_all()
-
-    def launch(self, name: str, argv: Sequence[str]) -> Child:
-        """Start a child in its own session, with readers forwarding its output; stopped in reverse order."""
-        if self._stop.requested.is_set():
-            raise StopRequestedError
-        _say(f"starting {name}: {' '.join(argv)}")
-        proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            bufsize=1,
-            start_new_session=True,
-            preexec_fn=_parent_death_signal(),
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        child = Child(name, list(argv), proc)
-        self._children.append(child)
-        assert proc.stdout is not None and proc.stderr is not None
-        for stream, tail, watch in ((proc.stdout, child.stdout_tail, True), (proc.stderr, child.stderr_tail, False)):
-            reader = threading.Thread(
-                target=self._pump, args=(child, stream, tail, watch), name=f"ordinal-{name}-out", daemon=True
-            )
-            reader.start()
-            child.readers.append(reader)
-        return child
-
-    def _pump(self, child: Child, stream: IO[str], tail: deque[str], watch_ready: bool) -> None:
-        """Forward a child's output to our stderr, prefixed with its name; keep the last lines; spot READY."""
-        for raw in stream:
-            line = raw.rstrip("\n")
-            tail.append(line)
-            if watch_ready and not child.ready.is_set():
-                match = READY_LINE.match(line)
-                if match:
-                    child.ready_service, child.ready_port = match["service"], int(match["port"])
-                    child.ready.set()
-            with self._out_lock:
-                sys.stderr.write(f"{child.name:>9} | {line}\n")
-                sys.stderr.flush()
-
-    # ------------------------------------------------------------ readiness (every wait bounded)
-
-    def _waiting(self, child: Child, timeout: float, what: str) -> Iterator[None]:
-        """Yield every POLL_S until the caller is satisfied; raise if the child dies, a stop arrives or time is up."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._stop.requested.is_set():
-                raise StopRequestedError
-            if child.exited() is not None:
-                self._drain(child)
-                raise ServiceFailedError(f"{child.name} failed while starting: {child.death_report()}")
-            if time.monotonic() > deadline:
-                raise ServiceFailedError(f"{child.name} was not ready after {timeout:.0f} s: no {what}")
-            yield
-            self._stop.requested.wait(self.POLL_S)
-
-    def wait_ready_line(self, child: Child, service: str, timeout: float) -> int:
-        for _ in self._waiting(child, timeout, f"{service}_READY line on its stdout"):
-            if child.ready.is_set():
-                if child.ready_service != service or child.ready_port is None:
-                    raise ServiceFailedError(f"{child.name} announced {child.ready_service}_READY, not {service}")
-                return child.ready_port
-        raise AssertionError("unreachable")
-
-    def wait_grpc_serving(self, child: Child, target: str, timeout: float) -> None:
-        for _ in self._waiting(child, timeout, f"SERVING from grpc.health.v1 at {target}"):
-            if grpc_health_status(target, timeout=2.0) == "SERVING":
-                return
-
-    def wait_gateway_models(self, child: Child, base_url: str, timeout: float) -> str:
-        """Poll ``GET /v1/models`` until the gateway lists a model (its workers are registered); return its id."""
-        for _ in self._waiting(child, timeout, f"model listed at {base_url}/models"):
-            model_ids = _listed_models(f"{base_url}/models")
-            if model_ids:
-                return model_ids[0]
-        raise AssertionError("unreachable")
-
-    # ------------------------------------------------------------ running and stopping
-
-    def pids(self) -> dict[str, int]:
-        return {c.name: c.pid for c in self._children}
-
-    def wait_until_stopped_or_dead(self) -> list[Child]:
-        """Block until a stop signal (returns []) or until a child exits (returns every child that has)."""
-        while not self._stop.requested.wait(self.POLL_S * 2):
-            dead = [c for c in self._children if c.exited() is not None]
-            if dead:
-                for child in dead:
-                    self._drain(child)
-                return dead
-        return []
-
-    def stop_all(self) -> None:
-        """SIGTERM each live child's process group in reverse start order; SIGKILL after the stop timeout."""
-        for child in reversed(self._children):
-            if child.exited() is None:
-                self._stop_one(child)
-            self._drain(child)
-
-    def _stop_one(self, child: Child) -> None:
-        started = time.monotonic()
-        _signal_group(child.proc, signal.SIGTERM)
-        deadline = started + self._stop_timeout
-        while child.proc.poll() is None and time.monotonic() < deadline and not self._stop.force.is_set():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(timeout=self.POLL_S)
-        if child.proc.poll() is None:
-            _say(f"{child.name} is still running {time.monotonic() - started:.1f} s after SIGTERM: killing it")
-            _signal_group(child.proc, signal.SIGKILL)
-            child.proc.wait(timeout=self._stop_timeout)
-        _say(f"{child.name} stopped (exit code {child.proc.returncode}, {time.monotonic() - started:.1f} s)")
-
-    @staticmethod
-    def _drain(child: Child) -> None:
-        """Let the readers forward what the child wrote before it exited (bounded: the pipes are closing)."""
-        for reader in child.readers:
-            reader.join(timeout=2.0)
-
-
-def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
-    if proc.poll() is None:  # never signal a reaped pid: its group id may belong to someone else by now
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """On Linux, a pre-exec hook that has the kernel send SIGTERM to the child if the launcher dies (even by
-    SIGKILL), so that no service outlives it. The libc function is resolved here, before the fork: the hook
-    itself only makes one system call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-
-    return hook
-
-
-# ==================================================================================================== probes
-
-
-def grpc_health_status(target: str, service: str = "", timeout: float = 5.0) -> str:
-    """grpc.health.v1 ``Check`` of ``service`` at ``target``: the status name, or why there is none."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        except grpc.RpcError as exc:
-            return f"unreachable ({exc.code().name}: {exc.details()})"
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-
-
-def http_status(url: str, timeout: float = 5.0) -> tuple[int | None, bytes]:
-    """The HTTP status of ``GET url`` and the body (None and b"" when nothing answers)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return int(resp.status), resp.read()
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), exc.read()
-    except (OSError, ValueError):
-        return None, b""
-
-
-def _listed_models(url: str) -> list[str]:
-    status, body = http_status(url, timeout=2.0)
-    if status != 200:
-        return []
-    try:
-        data = json.loads(body).get("data", [])
-    except (ValueError, AttributeError):
-        return []
-    return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
-
-
-def healthcheck(args: argparse.Namespace) -> int:
-    target: str = args.target
-    if target.startswith(("http://", "https://")):
-        status, _ = http_status(target, timeout=args.timeout)
-        print(f"{target}: HTTP {status if status is not None else 'no answer'}")
-        return 0 if status == 200 else 1
-    state = grpc_health_status(target, service=args.service, timeout=args.timeout)
-    print(f"{target}: {state}")
-    return 0 if state == "SERVING" else 1
-
-
-# ==================================================================================================== gateway
-
-
-def find_smg() -> str:
-    """The ``smg`` executable: next to this Python first (the same venv), then on PATH."""
-    beside = Path(sys.executable).parent / "smg"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("smg")
-    if found is None:
-        raise SystemExit("ordinal: the smg gateway is not installed (pip install smg==1.13.0), or use --no-gateway")
-    return found
-
-
-def smg_argv(
-    smg: str,
-    *,
-    host: str,
-    port: int,
-    worker_url: str,
-    model_dir: Path,
-    metrics_port: int,
-    log_level: str,
-) -> list[str]:
-    """The smg command line that serves the OpenAI API in front of one SglangScheduler worker."""
-    return [
-        smg,
-        "launch",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--worker-urls",
-        worker_url,
-        "--model-path",
-        str(model_dir),  # tokenizer.json + tokenizer_config.json (chat template) are read from here
-        "--backend",
-        "sglang",
-        "--prometheus-host",
-        host,
-        "--prometheus-port",
-        str(metrics_port),
-        "--log-level",
-        {"WARNING": "warn"}.get(log_level, log_level.lower()),
-        # In-flight HTTP requests get this long to finish on SIGTERM (smg's default is 180 s).
-        "--shutdown-grace-period-secs",
-        "5",
-    ]
-
-
-def gateway(args: argparse.Namespace) -> int:
-    """Replace this process with smg, configured for one scheduler."""
-    if args.metrics_port < 1:
-        raise SystemExit("ordinal gateway: --metrics-port must be >= 1 (smg always serves metrics)")
-    argv = smg_argv(
-        find_smg(),
-        host=args.host,
-        port=args.port,
-        worker_url=args.worker_url,
-        model_dir=_model_dir(args.model),
-        metrics_port=args.metrics_port,
-        log_level=args.log_level,
-    )
-    sys.stdout.flush()
-    os.execv(argv[0], argv)
 
 
 # ==================================================================================================== generate

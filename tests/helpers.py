@@ -14,7 +14,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from engine.finish import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
-from services.scheduler.server import ThreadedServer
+from tests.support.servers import ThreadedServer
 
 # The sampling fields smg always sets, greedy; proto3 would read an unset n as 0 and an unset top_p as 0.
 _GREEDY_FIELDS: dict[str, Any] = dict(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=1)

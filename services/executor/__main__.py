@@ -24,8 +24,8 @@ from engine.executor.runner import ModelRunner
 from engine.model.folder import model_dir, model_vocab_size
 from services.executor.metrics import ExecutorMetrics
 from services.executor.server import start_executor
+from services.flags import add_engine_args, engine_config
 from services.grammar_client import GrammarServiceError, RemoteGrammar
-from services.launcher import add_engine_args, engine_config
 from services.metrics import serve_metrics
 
 READY_LINE = "EXECUTOR_READY port={port}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -212,25 +211,3 @@ async def start_executor(
         lambda s: pb_grpc.add_ExecutorServicer_to_server(servicer, s), SERVICE_NAME, host, port, SERVER_OPTIONS
     )
     return ExecutorServer(server, bound, servicer, health)
-
-
-class ExecutorThread:
-    """An executor served from a private event loop on a background thread (in-process setups and tests).
-
-    The caller keeps owning ``runner`` (and shuts it down after :meth:`stop`)."""
-
-    def __init__(self, runner: ModelRunner, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> None:
-        self._timeout = timeout
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ordinal-executor-grpc", daemon=True)
-        self._thread.start()
-        start = asyncio.run_coroutine_threadsafe(start_executor(runner, host, port), self._loop)
-        self.server = start.result(timeout)
-        self.port = self.server.port
-
-    def stop(self, grace: float = 1.0) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(self._timeout)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(self._timeout)
-        if not self._thread.is_alive():
-            self._loop.close()

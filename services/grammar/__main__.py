@@ -18,9 +18,9 @@ from pathlib import Path
 from engine.constraint import JsonSchemaMode
 from engine.grammar import CompilerConfig, ConstraintCompiler, EnforcementObserver
 from engine.model.embedded import ensure_embedded_model
+from services.flags import add_json_schema_args, json_schema_mode
 from services.grammar.metrics import GrammarMetrics
 from services.grammar.server import GrammarServiceConfig, start_grammar
-from services.launcher import add_json_schema_args, json_schema_mode
 from services.metrics import serve_metrics
 
 READY_LINE = "GRAMMAR_READY port={port}"

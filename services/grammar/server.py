@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -318,39 +317,3 @@ async def start_grammar(
         lambda s: pb_grpc.add_GrammarServicer_to_server(servicer, s), SERVICE_NAME, host, port, SERVER_OPTIONS
     )
     return GrammarServer(server, bound, servicer, health)
-
-
-class GrammarThread:
-    """A grammar service on a private event loop in a background thread (in-process setups and tests).
-
-    The caller keeps owning ``compiler`` (and shuts it down after :meth:`stop`).
-    """
-
-    def __init__(
-        self,
-        compiler: ConstraintCompiler,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        config: GrammarServiceConfig = GrammarServiceConfig(),
-        timeout: float = 30.0,
-        observer: EnforcementObserver | None = None,
-    ) -> None:
-        self._timeout = timeout
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ordinal-grammar-grpc", daemon=True)
-        self._thread.start()
-        started = start_grammar(compiler, host, port, config, observer)
-        start = asyncio.run_coroutine_threadsafe(started, self._loop)
-        self.server = start.result(timeout)
-        self.port = self.server.port
-
-    @property
-    def registry(self) -> GrammarRegistry:
-        return self.server.servicer.registry
-
-    def stop(self, grace: float = 1.0) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(self._timeout)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(self._timeout)
-        if not self._thread.is_alive():
-            self._loop.close()

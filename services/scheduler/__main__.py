@@ -25,8 +25,8 @@ from engine.grammar_calls import GrammarBackend
 from engine.model.folder import model_dir, model_vocab_size
 from engine.scheduler.engine import Engine
 from engine.step import StepRunner
+from services.flags import DEFAULT_PORT, add_engine_args, add_json_schema_args, engine_config, json_schema_mode
 from services.grammar_client import GrammarServiceError, RemoteGrammar
-from services.launcher import DEFAULT_PORT, add_engine_args, add_json_schema_args, engine_config, json_schema_mode
 from services.metrics import serve_metrics
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.server import SchedulerServer

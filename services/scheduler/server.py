@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -107,56 +106,6 @@ class SchedulerServer:
     async def wait_for_termination(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
-
-
-class ThreadedServer:
-    """A :class:`SchedulerServer` on its own event loop thread, for tests and for embedding in sync code."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        served_model_name: str | None = None,
-        executor: str | None = None,
-        grammar: str | None = None,
-        options: ServicerOptions | None = None,
-    ) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="scheduler-grpc", daemon=True)
-        self._engine = engine
-        self._name = served_model_name
-        self._executor = executor
-        self._grammar = grammar
-        self._options = options
-        self.server: SchedulerServer | None = None
-        self.port = 0
-
-    def start(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> int:
-        self._thread.start()
-        self.server = self._call(self._create(), timeout)
-        self.port = self._call(self.server.start(host, port), timeout)
-        return self.port
-
-    async def _create(self) -> SchedulerServer:
-        # Built on the server's loop: grpc.aio and the health servicer bind to the loop they are created on.
-        return SchedulerServer(self._engine, self._name, self._executor, self._grammar, self._options)
-
-    def stop(self, grace: float | None = 1.0, timeout: float = 30.0) -> None:
-        if not self._thread.is_alive():
-            return
-        if self.server is not None:
-            self._call(self.server.stop(grace), timeout)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)
-        self._loop.close()
-
-    def _call(self, coro: Coroutine[Any, Any, _T], timeout: float) -> _T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    def __enter__(self) -> ThreadedServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _address(host: str, port: int) -> str:

@@ -33,8 +33,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
 from engine.scheduler.metrics import EngineObserver, NullObserver, RequestFinished, StepCommitted
 from engine.scheduler.request import RequestOutput
-from services.gate import StepGate, entries_of
 from services.remote_runner import RemoteRunner
+from tests.support.gate import StepGate, entries_of
 
 WAIT_S = 30.0
 

@@ -38,12 +38,11 @@ from engine.executor.runner import ModelRunner
 from engine.grammar.backend import LocalGrammar
 from engine.scheduler.engine import Engine
 from engine.scheduler.tombstones import TombstoneBounds
-from services.executor.server import ExecutorThread
-from services.gate import decode
-from services.scheduler.server import ThreadedServer
 from services.scheduler.servicer import ServicerOptions
 from tests.contract.gated_stack import WAIT_S, EngineEvents, GrammarProbe, assert_back_to, baseline, gated_engine
 from tests.helpers import assert_engine_baseline, smg_request
+from tests.support.gate import decode
+from tests.support.servers import ExecutorThread, ThreadedServer
 
 PAGE = 8
 PROMPT = [(37 * i) % 1900 + 20 for i in range(24)]

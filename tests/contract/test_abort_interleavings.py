@@ -57,8 +57,6 @@ from engine.executor.runner import ModelRunner
 from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
 from engine.scheduler.engine import Engine
-from services.executor.server import ExecutorThread
-from services.gate import StepGate, any_step
 from tests.contract.gated_stack import (
     WAIT_S,
     AbortMark,
@@ -73,6 +71,8 @@ from tests.contract.gated_stack import (
     mark_abort,
     steps_naming,
 )
+from tests.support.gate import StepGate, any_step
+from tests.support.servers import ExecutorThread
 
 PAGE = 4
 MAX_NEW = 5

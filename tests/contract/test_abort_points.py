@@ -35,10 +35,7 @@ from engine.scheduler.engine import Engine
 from engine.scheduler.request import RequestOutput
 from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
-from services.executor.server import ExecutorThread
-from services.gate import decode, entries_of, final_chunk, middle_chunk
 from services.remote_runner import RemoteRunner
-from services.scheduler.server import ThreadedServer
 from tests.contract.gated_stack import (
     WAIT_S,
     EngineEvents,
@@ -59,6 +56,8 @@ from tests.contract.gated_stack import (
     submit,
 )
 from tests.e2e.stack import greedy_request
+from tests.support.gate import decode, entries_of, final_chunk, middle_chunk
+from tests.support.servers import ExecutorThread, ThreadedServer
 
 PAGE = 4
 CHUNK = 8

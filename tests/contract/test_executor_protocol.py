@@ -32,8 +32,9 @@ from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult,
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
-from services.executor.server import SERVICE_NAME, ExecutorThread
+from services.executor.server import SERVICE_NAME
 from services.remote_runner import RemoteRunner
+from tests.support.servers import ExecutorThread
 
 PAGE = 4
 PROMPT = (11, 12, 13, 14, 15, 16)  # 6 tokens: pages 2 cover positions [0, 8)

@@ -35,15 +35,16 @@ from engine.grammar_calls import (
     GrammarProtocolError,
     InvalidGrammarError,
     MaskEntry,
-    MaskOutcome,
     Refusal,
 )
 from engine.model.tokenizer import Tokenizer
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
-from services.grammar.server import SERVICE_NAME, GrammarThread
-from services.grammar_client import AsyncGrammarClient, GrammarClient, GrammarStreamError, RemoteGrammar
+from services.grammar.server import SERVICE_NAME
+from services.grammar_client import GrammarClient, GrammarStreamError, RemoteGrammar
+from tests.support.grammar_clients import AsyncGrammarClient
+from tests.support.servers import GrammarThread
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = '{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'
@@ -352,15 +353,26 @@ def test_client_returns_engine_values(target: str, tokens: list[int]) -> None:
         assert row.rows is not None and row.rows.words.shape == (1, state.words_per_row)
         assert row.rows.words.dtype == torch.int32
         assert tree.rows is not None and torch.equal(tree.rows.words[0], row.rows.words[0])
+        assert client.release([rid]) == [None]
 
-    async def run_async() -> list[MaskOutcome]:
-        async with AsyncGrammarClient(target) as aclient:
-            outcomes = await aclient.fill_masks([MaskEntry(rid, 0), MaskEntry(rid, 1)], 1.0)
-            assert await aclient.release([rid]) == [None]
-            return outcomes
 
-    ahead, current = asyncio.run(run_async())
-    assert ahead.refusal is Refusal.AHEAD and current.rows is not None
+@pytest.mark.asyncio
+async def test_the_async_client_answers_the_same_values(target: str, tokens: list[int]) -> None:
+    """The asyncio client over one grpc.aio channel: concurrent calls answered each on its own, as the sync
+    client's are (a mask at a passed ordinal AHEAD, at the current one its rows)."""
+    schema = Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)
+    rid = new_id()
+    async with AsyncGrammarClient(target) as client:
+        (opened,) = await client.open([(rid, schema)])
+        assert opened.ok
+        (done,) = await client.commit([CommitEntry(rid, 0, (tokens[0],))])
+        assert done.result is not None and done.result.new_ordinal == 1
+        [ahead, current], state = await asyncio.gather(
+            client.fill_masks([MaskEntry(rid, 0), MaskEntry(rid, 1)], 1.0), client.get_state()
+        )
+        assert ahead.refusal is Refusal.AHEAD and current.rows is not None
+        assert current.rows.words.shape == (1, state.words_per_row)
+        assert await client.release([rid]) == [None]
 
 
 # ---------------------------------------------------------------- the per-step stream

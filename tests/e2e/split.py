@@ -15,10 +15,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from engine.config import EngineConfig
 from engine.executor.runner import ModelRunner
 from engine.scheduler.engine import Engine
-from services.executor.server import ExecutorThread
 from services.grammar_client import RemoteGrammar
 from services.remote_runner import RemoteRunner
-from services.scheduler.server import ThreadedServer
+from tests.support.servers import ExecutorThread, ThreadedServer
 
 TIMEOUT = 60.0
 
@@ -31,6 +30,7 @@ class Stack:
     engine: Engine
     grammar: str
     executor: str
+    target: str  # the scheduler's address, for a grpc.aio channel of the test's own
 
 
 @contextmanager
@@ -48,7 +48,7 @@ def split_stack(config: EngineConfig, grammar: str, executor_grammar: str | None
     try:
         port = server.start()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Stack(pb_grpc.SglangSchedulerStub(channel), engine, grammar, target)
+            yield Stack(pb_grpc.SglangSchedulerStub(channel), engine, grammar, target, f"127.0.0.1:{port}")
     finally:
         server.stop()
         engine.shutdown()

@@ -249,7 +249,8 @@ def _baseline(stack: ServeStack, stub: pb_grpc.SglangSchedulerStub, vocab: int) 
     wait_for_idle_load(stub, RPC_TIMEOUT_S)
 
 
-def test_abort_storm(stack: ServeStack, record_property: Callable[[str, object], None]) -> None:
+@pytest.mark.asyncio
+async def test_abort_storm(stack: ServeStack, record_property: Callable[[str, object], None]) -> None:
     with grpc.insecure_channel(stack.scheduler) as channel:
         stub = pb_grpc.SglangSchedulerStub(channel)
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
@@ -259,7 +260,7 @@ def test_abort_storm(stack: ServeStack, record_property: Callable[[str, object],
         wait_for_idle_load(stub, RPC_TIMEOUT_S)
 
         started = time.monotonic()
-        seen = asyncio.run(_storm(stack.scheduler, jobs))
+        seen = await _storm(stack.scheduler, jobs)
         storm_s = time.monotonic() - started
 
         outcomes = Counter(_check(job, s, solo[job.template]) for job, s in zip(jobs, seen, strict=True))

@@ -16,10 +16,10 @@ that both stacks give every request the same seed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -45,13 +45,11 @@ from engine.scheduler.engine import Engine
 from engine.step import SampledRun, StepEntry, StepPlan, StepResult, StepTiming
 from protos import executor_pb2
 from services.executor import convert as executor_convert
-from services.executor.server import ExecutorThread
-from services.grammar.server import GrammarThread
 from services.grammar_client import GrammarClient
 from services.remote_runner import RemoteRunner
-from services.scheduler.server import ThreadedServer
 from tests.e2e.split import TIMEOUT, Stack, split_stack
 from tests.e2e.stack import wait_for_idle_load
+from tests.support.servers import ExecutorThread, GrammarThread, ThreadedServer
 
 WEATHER: dict[str, Any] = {
     "type": "object",
@@ -143,6 +141,15 @@ def completes(stub: pb_grpc.SglangSchedulerStub, req: pb.GenerateRequest) -> lis
             done[reply.complete.index] = reply.complete
     if req.stream:
         assert {i: list(c.output_ids) for i, c in done.items()} == streamed
+    return [done[i] for i in sorted(done)]
+
+
+async def aio_completes(stub: pb_grpc.SglangSchedulerStub, req: pb.GenerateRequest) -> list[pb.GenerateComplete]:
+    """:func:`completes` on a grpc.aio stub."""
+    done: dict[int, pb.GenerateComplete] = {}
+    async for reply in stub.Generate(req, timeout=TIMEOUT):
+        if reply.HasField("complete"):
+            done[reply.complete.index] = reply.complete
     return [done[i] for i in sorted(done)]
 
 
@@ -334,36 +341,38 @@ def mixed_batch(tokenizer: Tokenizer) -> list[pb.GenerateRequest]:
     return requests
 
 
-def run_in_submit_order(stub: pb_grpc.SglangSchedulerStub, requests: list[pb.GenerateRequest]) -> list[Any]:
-    """Run every request concurrently, but submit request k+1 only after request k streamed its first message."""
+async def run_in_submit_order(target: str, requests: list[pb.GenerateRequest]) -> list[Any]:
+    """Run every request concurrently on one grpc.aio channel, but submit request k+1 only after request k
+    streamed its first message."""
     results: list[Any] = [None] * len(requests)
 
-    def run(i: int, first: threading.Event) -> None:
+    async def run(stub: pb_grpc.SglangSchedulerStub, i: int, first: asyncio.Event) -> None:
         streamed: list[int] = []
         try:
-            for reply in stub.Generate(requests[i], timeout=TIMEOUT):
+            async for reply in stub.Generate(requests[i], timeout=TIMEOUT):
                 first.set()
                 if reply.HasField("chunk"):
                     streamed.extend(reply.chunk.token_ids)
                 else:
                     results[i] = (reply.complete.finish_reason, list(reply.complete.output_ids), streamed)
-        except grpc.RpcError as exc:
+        except grpc.aio.AioRpcError as exc:
             results[i] = exc
         finally:
             first.set()
 
-    threads = []
-    for i in range(len(requests)):
-        first = threading.Event()
-        threads.append(threading.Thread(target=run, args=(i, first), daemon=True))
-        threads[-1].start()
-        assert first.wait(TIMEOUT), f"request {i} streamed nothing"
-    for thread in threads:
-        thread.join(TIMEOUT)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.SglangSchedulerStub(channel)
+        tasks = []
+        for i in range(len(requests)):
+            first = asyncio.Event()
+            tasks.append(asyncio.create_task(run(stub, i, first)))
+            await asyncio.wait_for(first.wait(), TIMEOUT)
+        await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
     return results
 
 
-def test_grammar_overlap_on_and_off_give_identical_outputs(
+@pytest.mark.asyncio
+async def test_grammar_overlap_on_and_off_give_identical_outputs(
     config: EngineConfig, grammar: str, tokenizer: Tokenizer
 ) -> None:
     """C4: delayed sampling behind the fence (on) and early commit with no fence wait (off) are the same tokens.
@@ -374,7 +383,7 @@ def test_grammar_overlap_on_and_off_give_identical_outputs(
     outputs = {}
     for mode in (True, False):
         with split_stack(replace(config, grammar_overlap=mode), grammar) as stack:
-            outputs[mode] = run_in_submit_order(stack.stub, requests)
+            outputs[mode] = await run_in_submit_order(stack.target, requests)
             assert_drained(stack)
     on, off = outputs[True], outputs[False]
     assert all(isinstance(r, tuple) and r[0] in ("stop", "length") for r in on), on
@@ -408,22 +417,23 @@ def grammar_accepts(config: EngineConfig, field: str, text: str, ids: list[int],
 # ---------------------------------------------------------------------------------------------------- failures
 
 
-def test_missing_mask_ends_only_that_request(config: EngineConfig, grammar: str, tokenizer: Tokenizer) -> None:
+@pytest.mark.asyncio
+async def test_missing_mask_ends_only_that_request(config: EngineConfig, grammar: str, tokenizer: Tokenizer) -> None:
     """The executor asks another grammar service, where the request's grammar is not open: its mask is refused
     (UNKNOWN), the row comes back with ``SampledRun.error`` over the executor protocol, and the scheduler ends
-    that request alone with a grammar abort ("abort" Complete). An unconstrained request next to it finishes."""
+    that request alone with a grammar abort ("abort" Complete). An unconstrained request running beside it, on
+    the same channel, finishes."""
     with grammar_service(str(config.model_path)) as other, split_stack(config, grammar, executor_grammar=other) as s:
         ids = chat_ids(tokenizer, "JSON please")
-        free_done: list[pb.GenerateComplete] = []
-        free = threading.Thread(
-            target=lambda: free_done.extend(completes(s.stub, request(ids, max_new_tokens=40, temperature=0.0))),
-            daemon=True,
-        )
-        free.start()
-        (constrained,) = completes(s.stub, request(ids, max_new_tokens=40, json_schema=json.dumps(WEATHER)))
-        free.join(TIMEOUT)
-        assert constrained.finish_reason == "abort" and not constrained.output_ids, constrained
-        assert [c.finish_reason for c in free_done] == ["length"] and len(free_done[0].output_ids) == 40
+        async with grpc.aio.insecure_channel(s.target) as channel:
+            stub = pb_grpc.SglangSchedulerStub(channel)
+            free, constrained = await asyncio.gather(
+                aio_completes(stub, request(ids, max_new_tokens=40, temperature=0.0)),
+                aio_completes(stub, request(ids, max_new_tokens=40, json_schema=json.dumps(WEATHER))),
+            )
+        (done,) = constrained
+        assert done.finish_reason == "abort" and not done.output_ids, done
+        assert [c.finish_reason for c in free] == ["length"] and len(free[0].output_ids) == 40
         # The public proto has no place for the reason; the engine's finish shows it is the executor's refusal.
         (out,) = s.engine.generate_batch(
             [ids], [SamplingParams(max_new_tokens=8)], TIMEOUT, [Constraint(ConstraintKind.REGEX, EMAIL)]

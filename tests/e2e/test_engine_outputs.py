@@ -5,7 +5,6 @@ Each test compares real generations (real forward, paged KV, sampler) between tw
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Iterator
 from dataclasses import replace
@@ -120,27 +119,23 @@ def test_64_requests_through_a_pool_for_8(base_config: EngineConfig, engine: Eng
         _assert_baseline(tight)
 
 
-def test_async_stream_and_abort(engine: Engine) -> None:
+@pytest.mark.asyncio
+async def test_async_stream_and_abort(engine: Engine) -> None:
+    """Engine.generate as an async iterator: a whole stream, then one aborted after three tokens."""
     prompt = random_prompts(1, 10, 10, engine.info.vocab_size, seed=5)[0]
-
-    async def scenario() -> tuple[list[int], FinishReason | None, list[int]]:
-        streamed: list[int] = []
-        async for out in engine.generate(prompt, _greedy(10)):
-            streamed.extend(out.new_token_ids)
-            final = out
-        assert final.finish is not None and final.output_ids is not None
-        stream = engine.generate(prompt, _greedy(1000))
-        got: list[int] = []
-        reason = None
-        async for out in stream:
-            got.extend(out.new_token_ids)
-            if len(got) >= 3 and out.finish is None:
-                engine.abort(out.request_id)
-            if out.finish is not None:
-                reason = out.finish.reason
-        return streamed, reason, list(final.output_ids)
-
-    streamed, reason, final_ids = asyncio.run(scenario())
-    assert streamed == final_ids and len(streamed) == 10
+    streamed: list[int] = []
+    async for out in engine.generate(prompt, _greedy(10)):
+        streamed.extend(out.new_token_ids)
+        final = out
+    assert final.finish is not None and final.output_ids is not None
+    assert streamed == list(final.output_ids) and len(streamed) == 10
+    got: list[int] = []
+    reason = None
+    async for out in engine.generate(prompt, _greedy(1000)):
+        got.extend(out.new_token_ids)
+        if len(got) >= 3 and out.finish is None:
+            engine.abort(out.request_id)
+        if out.finish is not None:
+            reason = out.finish.reason
     assert reason is FinishReason.ABORT
     _assert_baseline(engine)

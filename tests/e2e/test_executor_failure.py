@@ -24,9 +24,9 @@ from engine.config import EngineConfig
 from engine.scheduler.engine import Engine
 from protos import executor_pb2, executor_pb2_grpc
 from services.remote_runner import RemoteRunner
-from services.scheduler.server import ThreadedServer
 from services.scheduler.servicer import SERVICE_NAME
 from tests.e2e.stack import ExecutorProcess, greedy_request, wait_for, wait_for_idle_load
+from tests.support.servers import ThreadedServer
 
 PAGE_SIZE = 8
 NUM_PAGES = 512

@@ -47,9 +47,9 @@ from engine.grammar.json_schema_compiler import JsonSchemaCompiler
 from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import RequestOutput
-from services.grammar.server import GrammarThread
 from services.grammar_client import GrammarClient
 from tests.e2e.split import Stack, split_stack
+from tests.support.servers import GrammarThread
 
 pytestmark = pytest.mark.slow
 

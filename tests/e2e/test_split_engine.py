@@ -24,10 +24,10 @@ from engine.scheduler.engine import Engine
 from engine.scheduler.request import RequestOutput
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
-from services.executor.server import ExecutorThread
 from services.remote_runner import RemoteRunner
 from tests.e2e.stack import ExecutorProcess, wait_for
 from tests.helpers import assert_engine_baseline, length_outputs, random_prompts
+from tests.support.servers import ExecutorThread
 
 WAIT_S = 60.0
 

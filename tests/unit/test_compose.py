@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from services.launcher import build_parser, engine_config
+from services.flags import engine_config
+from services.launcher import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 ORDER = ("grammar", "executor", "scheduler", "gateway")

@@ -22,23 +22,17 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
-from services.launcher import (
+from services.flags import (
     DEFAULT_METRICS_PORT,
     JSON_SCHEMA_MODES,
-    Endpoints,
-    ServiceFailedError,
-    StopRequestedError,
-    StopSignal,
-    Supervisor,
-    _metrics_ports,
     add_engine_args,
-    build_parser,
     engine_argv,
     engine_config,
     json_schema_mode,
-    main,
-    smg_argv,
 )
+from services.gateway import smg_argv
+from services.launcher import Endpoints, _metrics_ports, build_parser, main
+from services.supervisor import ServiceFailedError, StopRequestedError, StopSignal, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -369,3 +363,20 @@ def test_grammar_subcommand_execs_the_service_module() -> None:
     assert done.returncode == 0, done.stderr
     assert "python -m services.grammar" in done.stdout and "--fence-deadline-ms" in done.stdout
     assert "--json-schema" in done.stdout and "--metrics-port" in done.stdout
+
+
+def test_the_gateway_is_a_dependency_and_its_absence_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`pip install .` brings smg (a main dependency: `ordinal serve` starts it by default); where it is missing
+    anyway, `ordinal serve` says how to install it or run without it, before starting anything."""
+    import tomllib
+
+    from services import gateway
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.replace(" ", "").startswith("smg==") for d in deps), deps
+    monkeypatch.setattr(gateway.sys, "executable", str(tmp_path / "python"))  # no smg beside it
+    monkeypatch.setenv("PATH", str(tmp_path))  # nor on PATH
+    with pytest.raises(
+        SystemExit, match=r"smg gateway is not installed \(pip install smg==1.13.0\), or use --no-gateway"
+    ):
+        gateway.find_smg()

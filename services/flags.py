@@ -1,0 +1,158 @@
+"""The engine flags every service takes, spelled the same way in each process (``ordinal serve`` passes them on).
+
+``add_engine_args`` / ``engine_config`` build and read them; ``engine_argv`` turns parsed flags back into a command
+line for a child service. Nothing here imports the engine at module level: the engine imports torch (seconds), and
+a subcommand that only parses flags should not pay for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+DEFAULT_PORT = 30000
+DEFAULT_EXECUTOR_PORT = 30001
+DEFAULT_GRAMMAR_PORT = 30002
+DEFAULT_GATEWAY_PORT = 8000
+DEFAULT_METRICS_PORT = 29000
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # logging's names; lower case is accepted too
+JSON_SCHEMA_MODES = ("strict", "checked", "loose")  # engine.constraint.JsonSchemaMode's values (no engine import)
+DEFAULT_JSON_SCHEMA_MODE = "checked"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of every process that builds an engine (serve, generate, executor, scheduler)."""
+    add_model_args(parser)
+    add_engine_tuning_args(parser)
+    obs = parser.add_argument_group("observability")
+    obs.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port at /metrics (0 = off)"
+    )
+    obs.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging verbosity")
+
+
+def add_json_schema_args(parser: argparse.ArgumentParser) -> None:
+    """``--json-schema`` (and its older spelling ``--loose-json-schema``): how the grammar reads JSON schemas."""
+    group = parser.add_argument_group("JSON schemas")
+    group.add_argument(
+        "--json-schema",
+        choices=JSON_SCHEMA_MODES,
+        default=None,
+        help=f"how JSON schemas are served when a request does not say (default: {DEFAULT_JSON_SCHEMA_MODE}). "
+        "strict: only schemas the grammar enforces exactly, others refused naming keyword and place; checked: every "
+        "schema xgrammar compiles, the keywords it cannot enforce checked on the output (a violation aborts the "
+        "request, naming keyword, place and value); loose: as given, some keywords enforced loosely (SGLang's way)",
+    )
+    group.add_argument("--loose-json-schema", action="store_true", help="the same as --json-schema loose")
+
+
+def json_schema_mode(args: argparse.Namespace) -> str:
+    """The mode ``--json-schema`` / ``--loose-json-schema`` chose (a value of engine.grammar.JsonSchemaMode)."""
+    if args.loose_json_schema:
+        if args.json_schema not in (None, "loose"):
+            raise SystemExit(f"--loose-json-schema contradicts --json-schema {args.json_schema}")
+        return "loose"
+    return str(args.json_schema or DEFAULT_JSON_SCHEMA_MODE)
+
+
+def _engine_defaults() -> EngineConfig:
+    from engine.config import EngineConfig
+
+    return EngineConfig()
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    defaults = _engine_defaults()
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json, tokenizer_config.json); "
+        "default: the embedded tiny model, built locally on first use",
+    )
+    group.add_argument("--device", default=defaults.device, help="cpu, cuda or cuda:N")
+    group.add_argument(
+        "--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"], help="weights and KV cache dtype"
+    )
+    return group
+
+
+def add_engine_tuning_args(parser: argparse.ArgumentParser) -> None:
+    defaults = _engine_defaults()
+    kv = parser.add_argument_group("KV cache (executor and scheduler must agree)")
+    kv.add_argument("--page-size", type=int, default=defaults.page_size, help="tokens per KV page")
+    kv.add_argument("--num-pages", type=int, default=defaults.num_pages, help="KV pages in the pool")
+    kv.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+    sched = parser.add_argument_group("scheduling")
+    sched.add_argument("--max-running", type=int, default=defaults.max_running, help="requests admitted at once")
+    sched.add_argument("--chunk-size", type=int, default=defaults.chunk_size, help="max prefill tokens per step")
+    sched.add_argument("--no-overlap", action="store_true", help="commit step N before launching N+1")
+    sched.add_argument(
+        "--grammar-overlap",
+        choices=["on", "off"],
+        default="on" if defaults.grammar_overlap else "off",
+        help="on: constrained requests stay overlapped (the executor waits for each step's fenced grammar masks "
+        "while the forward runs); off: the scheduler commits before launching a constrained step and the executor "
+        "never waits (executor and scheduler must agree)",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model_path=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_running=args.max_running,
+        chunk_size=args.chunk_size,
+        overlap=not args.no_overlap,
+        prefix_cache=not args.no_prefix_cache,
+        grammar_overlap=args.grammar_overlap == "on",
+    )
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` spelled back as a command line (``--model`` and observability excluded)."""
+    argv = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--page-size",
+        str(args.page_size),
+        "--num-pages",
+        str(args.num_pages),
+        "--max-running",
+        str(args.max_running),
+        "--chunk-size",
+        str(args.chunk_size),
+        "--grammar-overlap",
+        args.grammar_overlap,
+    ]
+    if args.no_overlap:
+        argv.append("--no-overlap")
+    if args.no_prefix_cache:
+        argv.append("--no-prefix-cache")
+    return argv
+
+
+def model_folder(model: str | None) -> Path:
+    """The model folder every process gets explicitly: built once here so the children find it cached."""
+    if model is not None:
+        path = Path(model).expanduser().resolve()
+        if not path.is_dir():
+            raise SystemExit(f"ordinal: --model {model}: no such folder")
+        return path
+    from engine.model.embedded import ensure_embedded_model
+
+    print("ordinal: preparing the embedded default model (built once, then cached) ...", file=sys.stderr, flush=True)
+    return ensure_embedded_model()

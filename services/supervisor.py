@@ -1,0 +1,264 @@
+"""The process supervisor of ``ordinal serve``: it starts the services as children, watches them, and stops them.
+
+Children run in their own process groups and die with the launcher (a parent-death signal where Linux offers
+one). SIGINT/SIGTERM stop everything in reverse start order; a second signal kills at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO
+
+from services.probes import grpc_health_status, listed_models
+
+READY_LINE = re.compile(r"^(?P<service>[A-Z]+)_READY port=(?P<port>\d+)\s*$")
+TAIL_LINES = 40
+
+
+def say(message: str) -> None:
+    print(f"ordinal: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class StopSignal:
+    """Set by SIGINT/SIGTERM. A second signal while stopping asks for ``force`` (kill without waiting)."""
+
+    requested: threading.Event = field(default_factory=threading.Event)
+    force: threading.Event = field(default_factory=threading.Event)
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested.is_set():
+            self.force.set()
+        self.requested.set()
+
+
+def install_stop_handlers() -> StopSignal:
+    stop = StopSignal()
+    signal.signal(signal.SIGINT, stop.handle)
+    signal.signal(signal.SIGTERM, stop.handle)
+    return stop
+
+
+class StopRequestedError(Exception):
+    """A stop signal arrived while services were starting."""
+
+
+class ServiceFailedError(Exception):
+    """A service died or did not become ready; the message says which and why."""
+
+
+# ---------------------------------------------------------------------------------------------------- children
+
+
+@dataclass
+class Child:
+    """One service process: its command line, its output tails and, once it said so, its READY port."""
+
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[str]
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    stdout_tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    ready_port: int | None = None
+    ready_service: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    readers: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> int | None:
+        """The exit code once the process has ended (negative: killed by that signal), else None."""
+        return self.proc.poll()
+
+    def death_report(self) -> str:
+        code = self.exited()
+        how = f"exit code {code}"
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                how += f" (killed by {signal.Signals(-code).name})"
+        tail = list(self.stderr_tail) or list(self.stdout_tail)
+        lines = [f"{self.name} (pid {self.pid}) exited with {how}"]
+        if tail:
+            lines.append(f"last lines of {self.name}'s output:")
+            lines += [f"  | {line}" for line in tail]
+        return "\n".join(lines)
+
+
+class Supervisor:
+    """Starts services in order, waits for each to be ready, watches them, and stops them in reverse order.
+
+    Every child runs in its own session (so a terminal's Ctrl-C reaches only the launcher, which then stops the
+    children in order) and, on Linux, is sent SIGTERM if the launcher itself dies without cleaning up.
+    """
+
+    POLL_S = 0.1
+
+    def __init__(self, stop: StopSignal, stop_timeout: float) -> None:
+        self._stop = stop
+        self._stop_timeout = stop_timeout
+        self._children: list[Child] = []
+        self._out_lock = threading.Lock()
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def launch(self, name: str, argv: Sequence[str]) -> Child:
+        """Start a child in its own session, with readers forwarding its output; stopped in reverse order."""
+        if self._stop.requested.is_set():
+            raise StopRequestedError
+        say(f"starting {name}: {' '.join(argv)}")
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            start_new_session=True,
+            preexec_fn=_parent_death_signal(),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        child = Child(name, list(argv), proc)
+        self._children.append(child)
+        assert proc.stdout is not None and proc.stderr is not None
+        for stream, tail, watch in ((proc.stdout, child.stdout_tail, True), (proc.stderr, child.stderr_tail, False)):
+            reader = threading.Thread(
+                target=self._pump, args=(child, stream, tail, watch), name=f"ordinal-{name}-out", daemon=True
+            )
+            reader.start()
+            child.readers.append(reader)
+        return child
+
+    def _pump(self, child: Child, stream: IO[str], tail: deque[str], watch_ready: bool) -> None:
+        """Forward a child's output to our stderr, prefixed with its name; keep the last lines; spot READY."""
+        for raw in stream:
+            line = raw.rstrip("\n")
+            tail.append(line)
+            if watch_ready and not child.ready.is_set():
+                match = READY_LINE.match(line)
+                if match:
+                    child.ready_service, child.ready_port = match["service"], int(match["port"])
+                    child.ready.set()
+            with self._out_lock:
+                sys.stderr.write(f"{child.name:>9} | {line}\n")
+                sys.stderr.flush()
+
+    # ------------------------------------------------------------ readiness (every wait bounded)
+
+    def _waiting(self, child: Child, timeout: float, what: str) -> Iterator[None]:
+        """Yield every POLL_S until the caller is satisfied; raise if the child dies, a stop arrives or time is up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._stop.requested.is_set():
+                raise StopRequestedError
+            if child.exited() is not None:
+                self._drain(child)
+                raise ServiceFailedError(f"{child.name} failed while starting: {child.death_report()}")
+            if time.monotonic() > deadline:
+                raise ServiceFailedError(f"{child.name} was not ready after {timeout:.0f} s: no {what}")
+            yield
+            self._stop.requested.wait(self.POLL_S)
+
+    def wait_ready_line(self, child: Child, service: str, timeout: float) -> int:
+        for _ in self._waiting(child, timeout, f"{service}_READY line on its stdout"):
+            if child.ready.is_set():
+                if child.ready_service != service or child.ready_port is None:
+                    raise ServiceFailedError(f"{child.name} announced {child.ready_service}_READY, not {service}")
+                return child.ready_port
+        raise AssertionError("unreachable")
+
+    def wait_grpc_serving(self, child: Child, target: str, timeout: float) -> None:
+        for _ in self._waiting(child, timeout, f"SERVING from grpc.health.v1 at {target}"):
+            if grpc_health_status(target, timeout=2.0) == "SERVING":
+                return
+
+    def wait_gateway_models(self, child: Child, base_url: str, timeout: float) -> str:
+        """Poll ``GET /v1/models`` until the gateway lists a model (its workers are registered); return its id."""
+        for _ in self._waiting(child, timeout, f"model listed at {base_url}/models"):
+            model_ids = listed_models(f"{base_url}/models")
+            if model_ids:
+                return model_ids[0]
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------ running and stopping
+
+    def pids(self) -> dict[str, int]:
+        return {c.name: c.pid for c in self._children}
+
+    def wait_until_stopped_or_dead(self) -> list[Child]:
+        """Block until a stop signal (returns []) or until a child exits (returns every child that has)."""
+        while not self._stop.requested.wait(self.POLL_S * 2):
+            dead = [c for c in self._children if c.exited() is not None]
+            if dead:
+                for child in dead:
+                    self._drain(child)
+                return dead
+        return []
+
+    def stop_all(self) -> None:
+        """SIGTERM each live child's process group in reverse start order; SIGKILL after the stop timeout."""
+        for child in reversed(self._children):
+            if child.exited() is None:
+                self._stop_one(child)
+            self._drain(child)
+
+    def _stop_one(self, child: Child) -> None:
+        started = time.monotonic()
+        _signal_group(child.proc, signal.SIGTERM)
+        deadline = started + self._stop_timeout
+        while child.proc.poll() is None and time.monotonic() < deadline and not self._stop.force.is_set():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=self.POLL_S)
+        if child.proc.poll() is None:
+            say(f"{child.name} is still running {time.monotonic() - started:.1f} s after SIGTERM: killing it")
+            _signal_group(child.proc, signal.SIGKILL)
+            child.proc.wait(timeout=self._stop_timeout)
+        say(f"{child.name} stopped (exit code {child.proc.returncode}, {time.monotonic() - started:.1f} s)")
+
+    @staticmethod
+    def _drain(child: Child) -> None:
+        """Let the readers forward what the child wrote before it exited (bounded: the pipes are closing)."""
+        for reader in child.readers:
+            reader.join(timeout=2.0)
+
+
+def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
+    if proc.poll() is None:  # never signal a reaped pid: its group id may belong to someone else by now
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """On Linux, a pre-exec hook that has the kernel send SIGTERM to the child if the launcher dies (even by
+    SIGKILL), so that no service outlives it. The libc function is resolved here, before the fork: the hook
+    itself only makes one system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+    return hook
