@@ -27,18 +27,51 @@ class SeqInput:
     ``start_pos`` is how many of this request's tokens are already in the KV cache; the step writes KV
     for positions ``start_pos .. start_pos + len(token_ids) - 1``. ``page_table`` lists the request's
     pages in position order and must cover positions ``[0, start_pos + len(token_ids))``.
+
+    ``tree_parents`` (speculative verify) makes the run a tree instead of a chain: token 0 is the root, token
+    ``j >= 1`` follows token ``tree_parents[j] < j``. Each token's KV still goes to position ``start_pos + j`` (the
+    layout slot), but it is rotated for position ``start_pos + depth(j)`` and attends the context
+    ``[0, start_pos)``, its ancestors and itself only. None (a chain) is the same as parents ``j - 1``.
     """
 
     token_ids: Sequence[int]
     start_pos: int
     page_table: Sequence[int]
     logits: LogitsMode
+    tree_parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) == 0:
             raise ValueError("SeqInput.token_ids must not be empty")
         if self.start_pos < 0:
             raise ValueError(f"SeqInput.start_pos must be >= 0, got {self.start_pos}")
+        if self.tree_parents is not None:
+            parents = self.tree_parents
+            if len(parents) != len(self.token_ids) or parents[0] != -1:
+                raise ValueError("SeqInput.tree_parents: one parent per token, -1 for the root (token 0)")
+            if any(not 0 <= parents[j] < j for j in range(1, len(parents))):
+                raise ValueError("SeqInput.tree_parents: every token but the root follows an earlier one")
+
+    def depths(self) -> list[int]:
+        """Each token's distance from the root: its rotary position is ``start_pos`` plus this."""
+        if self.tree_parents is None:
+            return list(range(len(self.token_ids)))
+        depths = [0] * len(self.token_ids)
+        for j in range(1, len(depths)):
+            depths[j] = depths[self.tree_parents[j]] + 1
+        return depths
+
+    def ancestry(self) -> torch.Tensor:
+        """[n, n] bool: row j is True at j and at each of its ancestors (lower-triangular for a chain)."""
+        n = len(self.token_ids)
+        if self.tree_parents is None:
+            return torch.ones(n, n, dtype=torch.bool).tril()  # [n, n]
+        seen = torch.zeros(n, n, dtype=torch.bool)  # [n, n]
+        for j in range(n):
+            seen[j, j] = True
+            if j:
+                seen[j] |= seen[self.tree_parents[j]]
+        return seen
 
     @property
     def end_pos(self) -> int:
@@ -90,7 +123,8 @@ class PrefillChunk:
     row_end: int
     start_pos: int
     pages: torch.Tensor | None  # [ceil(ctx / page_size)] pages of positions 0 .. ctx-1, or None
-    mask: torch.Tensor | None  # [n, ctx] bool causal mask offset by start_pos, or None
+    mask: torch.Tensor | None  # [n, ctx] bool causal mask offset by start_pos (a tree's mask), or None
+    depths: list[int] | None = None  # a draft tree's depth per token (its rotary offset); None for a chain
 
     @property
     def num_tokens(self) -> int:
@@ -104,10 +138,17 @@ class PrefillChunk:
         """Causal mask restricted to the last ``window`` positions; None when the window changes nothing."""
         if window >= self.context_len:
             return self.mask
-        query_pos = torch.arange(self.start_pos, self.context_len, device=device)  # [n]
-        key_pos = torch.arange(self.context_len, device=device)  # [ctx]
-        delta = query_pos[:, None] - key_pos[None, :]  # [n, ctx]
-        return (delta >= 0) & (delta < window)  # [n, ctx]
+        if self.depths is None:
+            query_pos = torch.arange(self.start_pos, self.context_len, device=device)  # [n]
+            key_pos = torch.arange(self.context_len, device=device)  # [ctx]
+            delta = query_pos[:, None] - key_pos[None, :]  # [n, ctx]
+            return (delta >= 0) & (delta < window)  # [n, ctx]
+        # A tree: distances count rotary positions (a node's depth), the ancestry stays the tree's own.
+        own = self.start_pos + torch.tensor(self.depths, device=device)  # [n]
+        key_pos = torch.cat((torch.arange(self.start_pos, device=device), own))  # [ctx]
+        delta = own[:, None] - key_pos[None, :]  # [n, ctx]
+        assert self.mask is not None
+        return self.mask & (delta < window)  # [n, ctx]
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,15 +189,15 @@ class ForwardBatch:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         layout = _HostLayout.of(seqs, page_size)
-        positions = layout.positions()  # [T]
+        positions = layout.positions()  # [T] KV positions (layout slots)
         rows_page = layout.page_tables[layout.seq_of_row, positions // page_size]  # [T]
         return cls(
             input_ids=_to(_flat_ints((seq.token_ids for seq in seqs), layout.num_tokens), device),  # [T]
-            positions=_to(positions, device),  # [T]
+            positions=_to(_rotary_positions(seqs, layout, positions), device),  # [T]
             write_slots=_to(rows_page * page_size + positions % page_size, device),  # [T]
             logits_rows=_to(layout.logits_rows([seq.logits for seq in seqs]), device),  # [R]
             decode=_decode_group(layout, device),
-            prefills=_prefill_chunks(layout, device),
+            prefills=_prefill_chunks(layout, device, seqs),
             page_size=page_size,
             max_position=int(layout.ends.max()) - 1,
             max_page=int(layout.page_tables.max()),
@@ -266,14 +307,36 @@ def _decode_group(layout: _HostLayout, device: torch.device | str) -> DecodeGrou
     )
 
 
-def _prefill_chunks(layout: _HostLayout, device: torch.device | str) -> tuple[PrefillChunk, ...]:
+def _rotary_positions(seqs: Sequence[SeqInput], layout: _HostLayout, positions: _Ints) -> _Ints:
+    """[T] the position each token is rotated for: its KV position, except inside a draft tree (its depth)."""
+    if all(seq.tree_parents is None for seq in seqs):
+        return positions
+    rotary = positions.copy()  # [T]
+    for i, seq in enumerate(seqs):
+        if seq.tree_parents is not None:
+            first = int(layout.row_starts[i])
+            rotary[first : first + len(seq.token_ids)] = seq.start_pos + np.asarray(seq.depths(), dtype=np.int64)
+    return rotary
+
+
+def _prefill_chunks(
+    layout: _HostLayout, device: torch.device | str, seqs: Sequence[SeqInput]
+) -> tuple[PrefillChunk, ...]:
     chunks = []
     for i in np.flatnonzero(layout.lens > 1).tolist():
         start, end = int(layout.starts[i]), int(layout.ends[i])
         pages = mask = None
         if start > 0:
             pages = _to(layout.page_tables[i, : layout.page_counts[i]], device)  # [ceil(ctx / page_size)]
+        tree = seqs[i].tree_parents is not None
+        if tree:
+            # The context, then the run's own slots where they are the query's ancestors (or itself).
+            context = torch.ones(end - start, start, dtype=torch.bool)  # [n, start]
+            mask = torch.cat((context, seqs[i].ancestry()), dim=1).to(device)  # [n, ctx]
+        elif start > 0:
             query_pos = torch.arange(start, end, device=device)  # [n]
             mask = torch.arange(end, device=device)[None, :] <= query_pos[:, None]  # [n, ctx]
-        chunks.append(PrefillChunk(int(layout.row_starts[i]), int(layout.row_starts[i + 1]), start, pages, mask))
+        rows = int(layout.row_starts[i]), int(layout.row_starts[i + 1])
+        depths = seqs[i].depths() if tree else None
+        chunks.append(PrefillChunk(*rows, start, pages, mask, depths))
     return tuple(chunks)

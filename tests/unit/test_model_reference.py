@@ -264,3 +264,25 @@ def test_short_page_table_is_rejected() -> None:
     seq = SeqInput(list(range(5)), 4, [0, 1], LogitsMode.LAST)
     with pytest.raises(ValueError, match=r"seq 0: page_table has 2 pages .* need 3 pages"):
         ForwardBatch.build([seq], PAGE_SIZE, "cpu")
+
+
+def test_tree_run_gives_each_node_the_logits_of_its_own_path(ckpt: Checkpoint) -> None:
+    """A draft tree verified in one run (positions by depth, ancestors-only mask over the paged context) gives
+    every node the logits transformers computes for the chain context + path to that node. Fails if the tree mask,
+    the depth positions or the windowed tree mask (qwen2, mistral) is removed: a node then sees its siblings or a
+    wrong rotation, and its logits differ from the reference."""
+    model, _ = load_model(ckpt.path, torch.float32, "cpu")
+    kv = new_pool(model)
+    pages = shuffled_pages(8, 12)
+    context = ckpt.prompt[:15]
+    step(model, kv, [SeqInput(context, 0, pages, LogitsMode.NONE)])
+    # Root 0, two children (1, 2), a grandchild under each (3 under 2, 4 under 1), a great-grandchild (5 under 3).
+    tokens = [11, 21, 22, 31, 32, 41]
+    parents = (-1, 0, 0, 2, 1, 3)
+    ours = step(model, kv, [SeqInput(tokens, len(context), pages, LogitsMode.ALL, tree_parents=parents)])
+    for node in range(len(tokens)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        chain = [*context, *(tokens[j] for j in reversed(path))]
+        assert rel_err(ours[node], reference_logits(ckpt, chain)[-1]) <= 1e-4, f"node {node}"
