@@ -4,12 +4,15 @@ Each request's history is built first (prompt plus earlier outputs, indexed once
 every step appends 1-3 tokens to every request (an accepted run) and drafts for all of them in one ``propose``
 call. Two kinds of history: "repeating" text (copies of earlier spans of a 1000-token vocabulary with fresh tokens
 between them: n-gram's home ground, most steps find a match and build a draft) and "random" text (a 32000-token
-vocabulary: almost no match, the look-up's floor). Printed in one run, per history length:
+vocabulary: almost no match, the look-up's floor). Printed in one run, per history length, microseconds per request
+per step as the median over steps (p50) and the mean (which includes the rare step that a garbage collection or
+the OS scheduler stretched):
 
-    history  chain us/req  tree us/req  random us/req  drafted  index us/token  index KiB/1k tokens
+    history  chain p50  tree p50  random p50  chain mean  tree mean  random mean  drafted  index us/token  KiB/1k
 
 ``chain``: topk 1 with 8 draft tokens; ``tree``: topk 4, 16 nodes, depth 6 (both on repeating text); ``drafted``:
-the share of repeating-text steps with a non-empty chain draft. Host CPU only: no model, no device.
+the share of repeating-text steps with a non-empty chain draft; ``index``: indexing a history from scratch (a
+request's first draft), per token, and the index's size. Host CPU only: no model, no device.
 
     .venv/bin/python bench/ngram.py [--histories 100 1000 10000] [--requests 32] [--steps 200]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 import tracemalloc
@@ -37,11 +41,19 @@ TREE = (16, 6, 4)
 
 
 @dataclass(frozen=True)
+class Cost:
+    """Microseconds per request per step."""
+
+    p50: float
+    mean: float
+
+
+@dataclass(frozen=True)
 class Row:
     history: int
-    chain_us: float
-    tree_us: float
-    random_us: float
+    chain: Cost
+    tree: Cost
+    random: Cost
     drafted: float
     index_us_per_token: float
     index_kib_per_1k: float
@@ -62,8 +74,10 @@ def grow(rng: random.Random, tokens: list[int], count: int) -> None:
         tokens.append(rng.randrange(1000) if fresh else tokens[start + i])
 
 
-def run(histories: list[list[int]], steps: int, caps: tuple[int, int, int], rng: random.Random, vocab: int) -> tuple:
-    """(us per request per step, share drafted) over ``steps`` steps after indexing the given histories."""
+def run(
+    histories: list[list[int]], steps: int, caps: tuple[int, int, int], rng: random.Random, vocab: int
+) -> tuple[Cost, float]:
+    """(cost, share drafted) over ``steps`` steps after indexing the given histories; ``vocab`` 0: repeating text."""
     proposer = NgramProposer(NgramConfig())
     max_nodes, max_depth, topk = caps
 
@@ -74,7 +88,8 @@ def run(histories: list[list[int]], steps: int, caps: tuple[int, int, int], rng:
         ]
 
     proposer.propose(batch())  # index the histories: timed apart (index_cost)
-    elapsed, drafted = 0.0, 0
+    per_step: list[float] = []
+    drafted = 0
     for _ in range(steps):
         for h in histories:
             if vocab:
@@ -84,10 +99,9 @@ def run(histories: list[list[int]], steps: int, caps: tuple[int, int, int], rng:
         requests = batch()
         start = time.perf_counter()
         drafts = proposer.propose(requests)
-        elapsed += time.perf_counter() - start
+        per_step.append((time.perf_counter() - start) / len(histories) * 1e6)
         drafted += sum(d.num_nodes > 0 for d in drafts)
-    total = steps * len(histories)
-    return elapsed / total * 1e6, drafted / total
+    return Cost(statistics.median(per_step), statistics.fmean(per_step)), drafted / (steps * len(histories))
 
 
 def index_cost(history: list[int]) -> tuple[float, float]:
@@ -107,12 +121,12 @@ def index_cost(history: list[int]) -> tuple[float, float]:
 
 def measure(size: int, requests: int, steps: int, seed: int) -> Row:
     rng = random.Random(seed)
-    chain_us, drafted = run([repeating(rng, size) for _ in range(requests)], steps, CHAIN, rng, 0)
-    tree_us, _ = run([repeating(rng, size) for _ in range(requests)], steps, TREE, rng, 0)
+    chain, drafted = run([repeating(rng, size) for _ in range(requests)], steps, CHAIN, rng, 0)
+    tree, _ = run([repeating(rng, size) for _ in range(requests)], steps, TREE, rng, 0)
     random_histories = [[rng.randrange(32000) for _ in range(size)] for _ in range(requests)]
-    random_us, _ = run(random_histories, steps, CHAIN, rng, 32000)
+    random_cost, _ = run(random_histories, steps, CHAIN, rng, 32000)
     per_token, kib = index_cost(repeating(rng, size))
-    return Row(size, chain_us, tree_us, random_us, drafted, per_token, kib)
+    return Row(size, chain, tree, random_cost, drafted, per_token, kib)
 
 
 def main() -> None:
@@ -123,13 +137,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(f"{args.requests} requests, {args.steps} steps, config {NgramConfig()}")
-    header = "history  chain us/req  tree us/req  random us/req  drafted  index us/token  index KiB/1k tokens"
-    print(header)
+    print("us per request per step:")
+    print(
+        "history  chain p50  tree p50  random p50  chain mean  tree mean  random mean  drafted  index us/token  KiB/1k"
+    )
     for size in args.histories:
         r = measure(size, args.requests, args.steps, args.seed)
         print(
-            f"{r.history:>7}  {r.chain_us:>12.1f}  {r.tree_us:>11.1f}  {r.random_us:>13.1f}  {r.drafted:>7.0%}  "
-            f"{r.index_us_per_token:>14.2f}  {r.index_kib_per_1k:>19.0f}"
+            f"{r.history:>7}  {r.chain.p50:>9.1f}  {r.tree.p50:>8.1f}  {r.random.p50:>10.1f}  {r.chain.mean:>10.1f}  "
+            f"{r.tree.mean:>9.1f}  {r.random.mean:>11.1f}  {r.drafted:>7.0%}  {r.index_us_per_token:>14.2f}  "
+            f"{r.index_kib_per_1k:>6.0f}"
         )
 
 

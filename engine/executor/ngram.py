@@ -70,7 +70,7 @@ class _SlotIndex:
     __slots__ = ("ends", "head", "indexed", "tail")
 
     def __init__(self) -> None:
-        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.ends: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.indexed = 0
         self.head: tuple[int, ...] = ()
         self.tail: tuple[int, ...] = ()
@@ -93,13 +93,15 @@ class _SlotIndex:
             window = tuple(tokens[max(0, end - max_n + 1) : end + 1])  # one copy; each n-gram is a suffix of it
             for n in range(min_n, len(window) + 1):
                 key = window[-n:]
+                # Tuples of ints, not lists: smaller, and the garbage collector stops tracking them, so a long
+                # history's index does not lengthen every full collection of the executor's heap.
                 positions = ends.get(key)
                 if positions is None:
-                    ends[key] = [end]
+                    ends[key] = (end,)
+                elif len(positions) < cap:
+                    ends[key] = (*positions, end)
                 else:
-                    positions.append(end)
-                    if len(positions) > cap:
-                        del positions[0]  # cap is small: O(cap), and keeps the list most-recent-last
+                    ends[key] = (*positions[1:], end)  # cap is small: O(cap)
         self.indexed = stop
         self.head = tuple(tokens[:max_n])
         self.tail = tuple(tokens[max(0, stop - max_n) : stop])
@@ -153,7 +155,7 @@ class NgramProposer:
         end = ends[j] if j >= 0 else ends[0]
         return Draft(DraftTree.chain(tokens[end + 1 : end + 1 + length]))
 
-    def _longest_match(self, tokens: Sequence[int], index: _SlotIndex) -> tuple[int, list[int]] | None:
+    def _longest_match(self, tokens: Sequence[int], index: _SlotIndex) -> tuple[int, tuple[int, ...]] | None:
         """(n, end positions) of the longest suffix with an earlier occurrence, or None."""
         size = len(tokens)
         for n in range(min(self.config.max_n, size - 1), self.config.min_n - 1, -1):
