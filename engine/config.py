@@ -2,11 +2,61 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class SpecAlgorithm(enum.Enum):
+    """Where speculative drafts come from (SGLang's ``--speculative-algorithm`` names)."""
+
+    NONE = "none"
+    DRAFT = "draft"  # a separate, smaller model sharing the target's tokenizer
+    NGRAM = "ngram"  # prompt lookup: what followed the longest matching suffix earlier in the request
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in SGLang's vocabulary.
+
+    Each decode step verifies ``num_draft_tokens`` tokens per request: its pending token and up to
+    ``num_draft_tokens - 1`` draft nodes, in a tree at most ``num_steps`` deep with at most ``topk`` children per
+    node (``topk`` 1: a chain). ``draft_model_path`` (algorithm DRAFT): the draft checkpoint; None with the
+    embedded target serves the embedded draft. ``adaptive``: the scheduler turns speculation down per request and
+    per batch when it does not pay (engine/scheduler/spec_policy.py)."""
+
+    algorithm: SpecAlgorithm = SpecAlgorithm.NONE
+    draft_model_path: str | None = None
+    num_steps: int = 4
+    topk: int = 1
+    num_draft_tokens: int = 0  # 0: num_steps + 1 for a chain, num_steps * topk + 1 for a tree (capped below)
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"speculative {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_draft_tokens == 1 or self.num_draft_tokens < 0:
+            raise ValueError(
+                f"speculative num_draft_tokens must be >= 2 (the pending token and at least one draft), got "
+                f"{self.num_draft_tokens}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm is not SpecAlgorithm.NONE
+
+    @property
+    def draft_nodes(self) -> int:
+        """Draft positions a decode entry carries at most (0 when speculation is off)."""
+        if not self.enabled:
+            return 0
+        if self.num_draft_tokens:
+            return self.num_draft_tokens - 1
+        return self.num_steps * self.topk if self.topk > 1 else self.num_steps
 
 
 @dataclass(frozen=True)
@@ -20,8 +70,9 @@ class EngineConfig:
     constrained requests stay overlapped: the executor delays only their sampling until the mask fenced at their
     ordinal exists (waiting up to ``grammar_wait_s``). Without it the scheduler commits step N before launching a
     step with constrained entries (early commit) and the executor does not wait for masks at all.
-    ``num_draft_tokens``: draft positions each decode entry may carry (speculative decoding; 0 = none). The
-    executor fills them with its proposer's drafts and returns the accepted ones with the sampled token.
+    ``speculative``: speculative decoding (off by default): each decode entry carries up to
+    ``speculative.draft_nodes`` draft positions, which the executor fills with its proposer's drafts; it returns
+    the accepted ones with the token sampled after them.
     ``check_invariants`` (for tests) has the loop check the scheduler's KV accounting and the prefix cache's
     invariants after every scheduler event; a violation stops the loop loudly.
     """
@@ -39,7 +90,7 @@ class EngineConfig:
     cache_dir: str | None = None
     grammar_overlap: bool = True
     grammar_wait_s: float = 5.0
-    num_draft_tokens: int = 0
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
@@ -48,8 +99,6 @@ class EngineConfig:
         for name in ("page_size", "num_pages", "max_running", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
 
     @property
     def mask_wait_s(self) -> float:

@@ -128,13 +128,15 @@ class StepTiming:
 
     ``masks_started`` is when the step asked for its fenced grammar masks (None: no constrained row). With
     delayed sampling it comes before ``forward_started``: the wait at the fence overlaps the forward (C4).
-    ``forward_cpu`` is the CPU time of the thread that ran the forward, from its start to ``forward_done``."""
+    ``forward_cpu`` is the CPU time of the thread that ran the forward, from its start to ``forward_done``.
+    ``draft_seconds``: how long the speculative proposer took, before the forward."""
 
     masks_started: float | None = None
     forward_started: float = 0.0
     forward_done: float = 0.0
     done: float = 0.0
     forward_cpu: float = 0.0
+    draft_seconds: float = 0.0
 
     @property
     def forward_seconds(self) -> float:

@@ -171,18 +171,20 @@ class SampledRun(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ordinal: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., has_top_logprobs: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("masks_started", "forward_started", "forward_done", "done", "forward_cpu")
+    __slots__ = ("masks_started", "forward_started", "forward_done", "done", "forward_cpu", "draft_seconds")
     MASKS_STARTED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_STARTED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_DONE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CPU_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     masks_started: float
     forward_started: float
     forward_done: float
     done: float
     forward_cpu: float
-    def __init__(self, masks_started: _Optional[float] = ..., forward_started: _Optional[float] = ..., forward_done: _Optional[float] = ..., done: _Optional[float] = ..., forward_cpu: _Optional[float] = ...) -> None: ...
+    draft_seconds: float
+    def __init__(self, masks_started: _Optional[float] = ..., forward_started: _Optional[float] = ..., forward_done: _Optional[float] = ..., done: _Optional[float] = ..., forward_cpu: _Optional[float] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "runs", "timing")
@@ -225,13 +227,15 @@ class StateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorState(_message.Message):
-    __slots__ = ("buffers", "steps", "session_open", "forward_cpu_seconds")
+    __slots__ = ("buffers", "steps", "session_open", "forward_cpu_seconds", "draft_slots")
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SESSION_OPEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     buffers: int
     steps: int
     session_open: bool
     forward_cpu_seconds: float
-    def __init__(self, buffers: _Optional[int] = ..., steps: _Optional[int] = ..., session_open: _Optional[bool] = ..., forward_cpu_seconds: _Optional[float] = ...) -> None: ...
+    draft_slots: int
+    def __init__(self, buffers: _Optional[int] = ..., steps: _Optional[int] = ..., session_open: _Optional[bool] = ..., forward_cpu_seconds: _Optional[float] = ..., draft_slots: _Optional[int] = ...) -> None: ...

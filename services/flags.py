@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, SpeculativeConfig
 
 DEFAULT_PORT = 30000
 DEFAULT_EXECUTOR_PORT = 30001
@@ -101,6 +101,68 @@ def add_engine_tuning_args(parser: argparse.ArgumentParser) -> None:
         "while the forward runs); off: the scheduler commits before launching a constrained step and the executor "
         "never waits (executor and scheduler must agree)",
     )
+    add_speculative_args(parser)
+
+
+SPEC_ALGORITHMS = ("draft", "ngram")  # engine.config.SpecAlgorithm's values but none (no engine import)
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    """SGLang's speculative-decoding flags (executor and scheduler must agree)."""
+    defaults = _engine_defaults().speculative
+    spec = parser.add_argument_group("speculative decoding (executor and scheduler must agree)")
+    spec.add_argument(
+        "--speculative-algorithm",
+        choices=SPEC_ALGORITHMS,
+        default=None,
+        help="draft: a smaller model sharing the tokenizer drafts tokens; ngram: prompt lookup (what followed the "
+        "longest matching suffix earlier in the request); default: off",
+    )
+    spec.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        metavar="PATH",
+        help="the draft checkpoint (default: the embedded draft, when serving the embedded model)",
+    )
+    spec.add_argument(
+        "--speculative-num-steps", type=int, default=defaults.num_steps, help="draft depth: tokens drafted per step"
+    )
+    spec.add_argument(
+        "--speculative-eagle-topk",
+        type=int,
+        default=defaults.topk,
+        help="tree branching: candidates per draft node (1: a chain)",
+    )
+    spec.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        help="tokens verified per request and step, the pending one included (default: num_steps + 1 for a chain, "
+        "num_steps * topk + 1 for a tree)",
+    )
+    spec.add_argument(
+        "--speculative-adaptive",
+        choices=["on", "off"],
+        default="on" if defaults.adaptive else "off",
+        help="on: turn speculation down per request and per batch when it does not pay; off: always draft",
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    from engine.config import SpecAlgorithm, SpeculativeConfig
+
+    algorithm = SpecAlgorithm(args.speculative_algorithm) if args.speculative_algorithm else SpecAlgorithm.NONE
+    try:
+        return SpeculativeConfig(
+            algorithm=algorithm,
+            draft_model_path=args.speculative_draft_model_path,
+            num_steps=args.speculative_num_steps,
+            topk=args.speculative_eagle_topk,
+            num_draft_tokens=args.speculative_num_draft_tokens or 0,
+            adaptive=args.speculative_adaptive == "on",
+        )
+    except ValueError as error:
+        raise SystemExit(f"ordinal: {error}") from error
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -117,6 +179,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         overlap=not args.no_overlap,
         prefix_cache=not args.no_prefix_cache,
         grammar_overlap=args.grammar_overlap == "on",
+        speculative=speculative_config(args),
     )
 
 
@@ -138,6 +201,15 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         "--grammar-overlap",
         args.grammar_overlap,
     ]
+    if args.speculative_algorithm:
+        argv += ["--speculative-algorithm", args.speculative_algorithm]
+        argv += ["--speculative-num-steps", str(args.speculative_num_steps)]
+        argv += ["--speculative-eagle-topk", str(args.speculative_eagle_topk)]
+        argv += ["--speculative-adaptive", args.speculative_adaptive]
+        if args.speculative_draft_model_path:
+            argv += ["--speculative-draft-model-path", args.speculative_draft_model_path]
+        if args.speculative_num_draft_tokens:
+            argv += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     if args.no_overlap:
         argv.append("--no-overlap")
     if args.no_prefix_cache:

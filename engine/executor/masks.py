@@ -26,6 +26,14 @@ class StepMasks:
     bitmask: torch.Tensor | None  # [B, W] int32, xgrammar layout; None when no row is constrained
     errors: dict[int, str]  # sampling row -> why it has no mask (the request ends; the others go on)
 
+    def rows(self, picked: list[int]) -> StepMasks:
+        """The masks of sampling rows ``picked``, renumbered 0, 1, ... in that order."""
+        bitmask = self.bitmask
+        if bitmask is not None:
+            bitmask = bitmask.index_select(0, torch.tensor(picked, dtype=torch.long, device=bitmask.device))  # [P, W]
+        errors = {k: self.errors[row] for k, row in enumerate(picked) if row in self.errors}
+        return StepMasks(bitmask, errors)
+
 
 class ThreadedWait:
     """A backend's blocking mask call running on the fetcher's thread."""

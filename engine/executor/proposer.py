@@ -77,3 +77,8 @@ class Proposer(Protocol):
     def release(self, slot: int) -> None:
         """The slot's request is gone: forget what is kept for it."""
         ...
+
+    @property
+    def num_slots(self) -> int:
+        """Slots the proposer keeps state for (zero once every request is released: what a leak check reads)."""
+        ...

@@ -9,17 +9,21 @@ one worker thread; that order is what makes a reference to "the token this slot 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.errors import ProtocolError
 from engine.executor.masks import MaskFetcher, PendingMasks, StepMasks
+from engine.executor.proposer import NO_DRAFT, Draft, DraftRequest, Proposer
+from engine.executor.proposers import load_proposer
 from engine.executor.sampler import Sampler, SamplingState
+from engine.executor.verify import Verdict, Verifier, VerifyItem
 from engine.grammar_calls import GrammarBackend
 from engine.kv.pool import KVPool
 from engine.model.folder import model_dir
@@ -47,6 +51,14 @@ class SlotBuffer:
     seq_len: int
     pending: int | None = None
     run_start: int = 0
+    tokens: list[int] = field(default_factory=list)  # prompt then outputs: what a proposer drafts from
+
+    def produced(self, run: Sequence[int], ordinal: int) -> None:
+        """The tokens of a run sampled at ``ordinal``: recorded, the last one pending."""
+        for token in run:
+            self.sampling.record(token)
+        self.tokens.extend(run)
+        self.pending, self.run_start = run[-1], ordinal
 
 
 @dataclass(frozen=True)
@@ -55,9 +67,21 @@ class ResolvedEntry:
 
     entry: StepEntry
     buffer: SlotBuffer
-    tokens: tuple[int, ...]  # the input run
+    tokens: tuple[int, ...]  # the input run (without draft positions)
     start_pos: int
     pages: Sequence[int]  # the page table after this entry's new pages (the slot's own list when none are new)
+
+
+@dataclass(frozen=True)
+class StepDrafts:
+    """The drafts of one step's entries (aligned with them; NO_DRAFT where none), and the time they took."""
+
+    drafts: list[Draft]
+    seconds: float = 0.0
+
+    @property
+    def any(self) -> bool:
+        return any(d.num_nodes for d in self.drafts)
 
 
 class ModelRunner:
@@ -70,6 +94,8 @@ class ModelRunner:
         info: ModelInfo,
         device: torch.device,
         masks: MaskFetcher | None = None,
+        proposer: Proposer | None = None,
+        spec: SpeculativeConfig | None = None,
     ) -> None:
         self.info = info
         self._masks = masks
@@ -79,6 +105,9 @@ class ModelRunner:
         self._eos = info.eos_token_ids
         self._device = device
         self._sampler = Sampler(info.vocab_size, device)
+        self._verifier = Verifier(self._sampler)
+        self._proposer = proposer
+        self._spec = spec if spec is not None else SpeculativeConfig()
         self._slots: dict[int, SlotBuffer] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-runner")
 
@@ -111,7 +140,8 @@ class ModelRunner:
             device,
         )
         masks = MaskFetcher(grammar, info.vocab_size, config.mask_wait_s) if grammar is not None else None
-        return cls(model, kv, info, device, masks)
+        proposer = load_proposer(config, info, device)
+        return cls(model, kv, info, device, masks, proposer, config.speculative)
 
     # ------------------------------------------------------------ asynchronous interface
 
@@ -124,7 +154,7 @@ class ModelRunner:
 
     def reset(self) -> Future[None]:
         """Drop every per-request buffer (their scheduler is gone). Queued behind every launched step."""
-        return self._worker.submit(self._slots.clear)
+        return self._worker.submit(self._reset)
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
@@ -141,6 +171,11 @@ class ModelRunner:
     def num_buffers(self) -> int:
         return len(self._slots)
 
+    @property
+    def proposer_slots(self) -> int:
+        """Slots the speculative proposer keeps state for (0 without one)."""
+        return self._proposer.num_slots if self._proposer is not None else 0
+
     # ------------------------------------------------------------ execution (worker thread)
 
     @torch.inference_mode()
@@ -150,16 +185,17 @@ class ModelRunner:
         # first, even when the step is then refused or fails: the scheduler ends the step's requests and releases
         # their slots, which must exist.
         resolved = self._resolve(plan)
-        sampling = [r for r in resolved if r.entry.sample]
+        drafts = self._propose(resolved)
+        sampling = [i for i, r in enumerate(resolved) if r.entry.sample]
         # C4, delayed sampling: the fenced masks are fetched while the forward runs; only sampling waits.
         masks_started = time.perf_counter() - started
-        pending = self._start_masks(sampling)
+        pending = self._start_masks([resolved[i] for i in sampling])
         try:
-            seqs = [SeqInput(r.tokens, r.start_pos, r.pages, _logits_mode(r.entry)) for r in resolved]
+            seqs = [_seq_input(r, d) for r, d in zip(resolved, drafts.drafts, strict=True)]
             batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
             forward_started = time.perf_counter() - started
             cpu = time.thread_time()
-            logits = self._model(batch, self._kv)  # [num sampling entries, V]
+            logits = self._model(batch, self._kv)  # [logits rows: 1 per sampling entry, 1 + m per draft of m, V]
         except BaseException:
             if pending is not None:
                 pending.close()  # an open fence would be filled by every later commit, into a buffer nobody reads
@@ -167,14 +203,15 @@ class ModelRunner:
         forward_cpu = time.thread_time() - cpu
         forward_done = time.perf_counter() - started
         masks = pending.result(self._device) if pending is not None else StepMasks(None, {})
-        runs = self._sample(logits, sampling, masks) if sampling else ()
-        self._advance(resolved)
+        runs, kept = self._sample(logits, resolved, sampling, drafts, masks)
+        self._advance(resolved, kept)
         timing = StepTiming(
             masks_started if pending is not None else None,
             forward_started,
             forward_done,
             time.perf_counter() - started,
             forward_cpu,
+            drafts.seconds,
         )
         return StepResult(plan.step_id, runs, timing)
 
@@ -197,14 +234,14 @@ class ModelRunner:
         buf = self._slots.get(entry.slot)
         if buf is None or buf.request_id != entry.request_id:
             raise ProtocolError(f"slot {entry.slot} does not hold request {entry.request_id}")
-        if entry.num_draft:
+        if entry.num_draft and (self._proposer is None or not entry.input_ref):
             raise ProtocolError(
-                f"request {entry.request_id}: {entry.num_draft} draft positions, but this executor has no draft "
-                "proposer"
+                f"request {entry.request_id}: {entry.num_draft} draft positions, but "
+                + ("this executor has no draft proposer" if self._proposer is None else "only a decode has drafts")
             )
         tokens = self._input_run(entry, buf)
         pages: Sequence[int] = (*buf.pages, *entry.new_pages) if entry.new_pages else buf.pages
-        end = buf.seq_len + len(tokens)
+        end = buf.seq_len + len(tokens) + entry.num_draft
         if len(pages) * self._kv.page_size < end:
             raise ProtocolError(f"request {entry.request_id}: {len(pages)} pages do not cover positions [0, {end})")
         return ResolvedEntry(entry, buf, tokens, buf.seq_len, pages)
@@ -218,7 +255,7 @@ class ModelRunner:
                 f"{len(new.prompt_ids)} prompt tokens to prefill"
             )
         state = SamplingState(new.params, new.prompt_ids, self._eos, self._vocab_size, self._device, new.seed)
-        return SlotBuffer(entry.request_id, state, new.prompt_ids, [], new.cached_len)
+        return SlotBuffer(entry.request_id, state, new.prompt_ids, [], new.cached_len, tokens=list(new.prompt_ids))
 
     @staticmethod
     def _input_run(entry: StepEntry, buf: SlotBuffer) -> tuple[int, ...]:
@@ -254,6 +291,27 @@ class ModelRunner:
             )
         return entry.input_ids
 
+    def _propose(self, resolved: list[ResolvedEntry]) -> StepDrafts:
+        """Drafts for the entries with draft positions, in one call to the proposer (it batches across requests).
+
+        A constrained entry gets none for now: verifying a draft under a grammar needs a mask for every node at its
+        own ordinal (C5), which is the grammar half of speculation."""
+        wanted = [i for i, r in enumerate(resolved) if r.entry.num_draft and not r.entry.constrained]
+        drafts = [NO_DRAFT] * len(resolved)
+        if not wanted or self._proposer is None:
+            return StepDrafts(drafts)
+        started = time.perf_counter()
+        requests = [self._draft_request(resolved[i]) for i in wanted]
+        for i, request, draft in zip(wanted, requests, self._proposer.propose(requests), strict=True):
+            _check_draft(draft, request)
+            drafts[i] = draft
+        return StepDrafts(drafts, time.perf_counter() - started)
+
+    def _draft_request(self, r: ResolvedEntry) -> DraftRequest:
+        buf, nodes = r.buffer, r.entry.num_draft
+        depth = min(self._spec.num_steps, nodes)
+        return DraftRequest(r.entry.slot, buf.tokens, buf.seq_len, r.pages, nodes, depth, self._spec.topk, buf.sampling)
+
     def _start_masks(self, sampling: list[ResolvedEntry]) -> PendingMasks | None:
         rows = [(i, r.entry.request_id, r.buffer.sampling.num_output) for i, r in enumerate(sampling)]
         constrained = [row for row, r in zip(rows, sampling, strict=True) if r.entry.constrained]
@@ -263,15 +321,51 @@ class ModelRunner:
             return None
         return self._masks.start(constrained, len(sampling))
 
-    def _sample(self, logits: torch.Tensor, rows: list[ResolvedEntry], masks: StepMasks) -> tuple[SampledRun, ...]:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        resolved: list[ResolvedEntry],
+        sampling: list[int],
+        drafts: StepDrafts,
+        masks: StepMasks,
+    ) -> tuple[tuple[SampledRun, ...], list[int]]:
+        """Sample every sampling entry (verify those with a draft): the runs, and how many input positions of each
+        entry hold KV to keep."""
+        kept = [len(r.tokens) for r in resolved]
+        if not sampling:
+            return (), kept
+        if not drafts.any:  # plain decoding, the common case: one row per sampling entry
+            return self._sample_plain(logits, [resolved[i] for i in sampling], masks), kept
+        first_row = list(itertools.accumulate((1 + drafts.drafts[i].num_nodes for i in sampling), initial=0))
+        plain = [k for k, i in enumerate(sampling) if not drafts.drafts[i].num_nodes]
+        speculative = [k for k, i in enumerate(sampling) if drafts.drafts[i].num_nodes]
+        by_entry: dict[int, SampledRun] = {}
+        paths: dict[int, tuple[int, ...]] = {}
+        if plain:
+            rows = torch.tensor([first_row[k] for k in plain], dtype=torch.long, device=logits.device)  # [P]
+            entries = [resolved[sampling[k]] for k in plain]
+            plain_runs = self._sample_plain(logits.index_select(0, rows), entries, masks.rows(plain))
+            by_entry.update(zip((sampling[k] for k in plain), plain_runs, strict=True))
+        items = [_verify_item(resolved[sampling[k]], drafts.drafts[sampling[k]], first_row[k]) for k in speculative]
+        verdicts = self._verifier.verify(logits, items)
+        for k, verdict in zip(speculative, verdicts, strict=True):
+            i = sampling[k]
+            by_entry[i] = self._verified_run(resolved[i], drafts.drafts[i], verdict)
+            kept[i] = 1 + len(verdict.path)
+            paths[i] = verdict.path
+        self._compact(resolved, drafts, paths)
+        return tuple(by_entry[i] for i in sampling), kept
+
+    def _sample_plain(
+        self, logits: torch.Tensor, rows: list[ResolvedEntry], masks: StepMasks
+    ) -> tuple[SampledRun, ...]:
         out = self._sampler.sample(logits, [r.buffer.sampling for r in rows], masks.bitmask)
         logprobs, tops, errors = out.logprobs, out.top_logprobs, masks.errors
         runs = []
         for i, r in enumerate(rows):  # once per sampled request per step: kept lean
             buf, token = r.buffer, out.token_ids[i]
             ordinal = buf.sampling.num_output
-            buf.sampling.record(token)
-            buf.pending, buf.run_start = token, ordinal
+            buf.produced((token,), ordinal)
             runs.append(
                 SampledRun(
                     r.entry.request_id,
@@ -286,19 +380,86 @@ class ModelRunner:
             )
         return tuple(runs)
 
-    def _advance(self, resolved: list[ResolvedEntry]) -> None:
-        """The step's KV is written: each slot's accepted positions grow by its run (C11), its pages are kept."""
-        for r in resolved:
+    def _verified_run(self, r: ResolvedEntry, draft: Draft, verdict: Verdict) -> SampledRun:
+        buf = r.buffer
+        ordinal = buf.sampling.num_output
+        buf.produced(verdict.token_ids, ordinal)
+        if self._proposer is not None:
+            self._proposer.accepted(r.entry.slot, verdict.path, buf.seq_len + 1 + len(verdict.path))
+        return SampledRun(
+            r.entry.request_id,
+            ordinal,
+            verdict.token_ids,
+            draft.num_nodes,
+            len(verdict.path),
+            verdict.logprobs,
+            verdict.top_logprobs,
+        )
+
+    def _compact(self, resolved: list[ResolvedEntry], drafts: StepDrafts, paths: dict[int, tuple[int, ...]]) -> None:
+        """C11 for trees: the accepted path's KV moves to the positions right after the pending token, where the next
+        step reads it; a chain's accepted prefix is there already. Rejected nodes' KV is left past the slot's
+        sequence length, where nothing reads it and the next run overwrites it."""
+        src: list[int] = []
+        dst: list[int] = []
+        page_size = self._kv.page_size
+        for i, path in paths.items():
+            r = resolved[i]
+            for depth, node in enumerate(path, start=1):
+                if node + 1 != depth:  # node i sits at position seq_len + 1 + i; depth d belongs at seq_len + d
+                    src.append(_slot(r.pages, r.start_pos + 1 + node, page_size))
+                    dst.append(_slot(r.pages, r.start_pos + depth, page_size))
+        if src:
+            device = self._kv.device
+            self._kv.move(torch.tensor(src, device=device), torch.tensor(dst, device=device))
+
+    def _advance(self, resolved: list[ResolvedEntry], kept: list[int]) -> None:
+        """The step's KV is written: each slot's accepted positions grow by what it kept of its run (C11): the whole
+        input, or for a verified draft the pending token and the accepted nodes. Its pages are kept."""
+        for r, count in zip(resolved, kept, strict=True):
             buf = r.buffer
             if r.entry.new_pages:
                 buf.pages.extend(r.entry.new_pages)
-            buf.seq_len += len(r.tokens)
+            buf.seq_len += count
+
+    def _reset(self) -> None:
+        self._release(tuple(self._slots))  # read on the worker: every step queued before is in
 
     def _release(self, slots: tuple[int, ...]) -> None:
         for slot in slots:
             if self._slots.pop(slot, None) is None:
                 raise ProtocolError(f"release of slot {slot}, which holds no request")
+            if self._proposer is not None:
+                self._proposer.release(slot)
 
 
 def _logits_mode(entry: StepEntry) -> LogitsMode:
     return LogitsMode.LAST if entry.sample else LogitsMode.NONE
+
+
+def _seq_input(r: ResolvedEntry, draft: Draft) -> SeqInput:
+    """The forward's share of one entry: its input run, or for a draft the pending token and the draft's nodes, with
+    a logits row for each (the verify reads them all) and, for a tree, each node's parent."""
+    if not draft.num_nodes:
+        return SeqInput(r.tokens, r.start_pos, r.pages, _logits_mode(r.entry))
+    tree = draft.tree
+    parents = None if draft.is_chain else (-1, *(p + 1 for p in tree.parents))
+    return SeqInput((*r.tokens, *tree.tokens), r.start_pos, r.pages, LogitsMode.ALL, parents)
+
+
+def _verify_item(r: ResolvedEntry, draft: Draft, row: int) -> VerifyItem:
+    return VerifyItem(r.buffer.sampling, draft.tree, draft.q, row)
+
+
+def _check_draft(draft: Draft, request: DraftRequest) -> None:
+    """A proposer's draft must fit the positions the entry was given; parents come before their children."""
+    tree = draft.tree
+    if draft.num_nodes > request.max_nodes or any(p >= i for i, p in enumerate(tree.parents)):
+        raise RuntimeError(
+            f"proposer drafted {draft.num_nodes} nodes (parents {tree.parents}) for slot {request.slot}, which has "
+            f"{request.max_nodes} draft positions and needs every parent before its children"
+        )
+
+
+def _slot(pages: Sequence[int], position: int, page_size: int) -> int:
+    return pages[position // page_size] * page_size + position % page_size

@@ -83,7 +83,11 @@ class SamplingState:
     @property
     def min_new_active(self) -> bool:
         """True while eos and stop token ids must be masked because min_new_tokens is not reached."""
-        return self.min_new_banned is not None and self._num_output < self.params.min_new_tokens
+        return self.min_new_active_after(0)
+
+    def min_new_active_after(self, ahead: int) -> bool:
+        """:attr:`min_new_active` once ``ahead`` more tokens are output (a draft node's row in a verify)."""
+        return self.min_new_banned is not None and self._num_output + ahead < self.params.min_new_tokens
 
     def record(self, token_id: int) -> None:
         """Append one sampled output token (the runner calls this after :meth:`Sampler.sample`)."""
@@ -200,15 +204,23 @@ class Sampler:
     # ---- logit processing (steps 2-5), all rows at once ----
 
     def process_logits(
-        self, raw: torch.Tensor, states: Sequence[SamplingState], bitmask: torch.Tensor | None = None
+        self,
+        raw: torch.Tensor,
+        states: Sequence[SamplingState],
+        bitmask: torch.Tensor | None = None,
+        ahead: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
-        """Steps 2-5 (bias, bitmask, min_new_tokens, penalties) on ``raw`` [B, >= V]; returns a new [B, V]."""
+        """Steps 2-5 (bias, bitmask, min_new_tokens, penalties) on ``raw`` [B, >= V]; returns a new [B, V].
+
+        ``ahead[r]`` (speculative verify): row r is processed as if its request had also output these tokens after
+        the ones its state recorded, the draft tokens on the path to the row's node: they count for min_new_tokens
+        and for the penalties exactly as recorded tokens would."""
         x = raw[:, : self.vocab_size].float().clone()  # [B, V]; raw may be a view of the runner's logits
         self._apply_bias(x, states)
         if bitmask is not None:
             self._apply_bitmask(x, bitmask)
-        self._apply_min_new(x, states)
-        self._apply_penalties(x, states)
+        self._apply_min_new(x, states, ahead)
+        self._apply_penalties(x, states, ahead)
         return x
 
     def _apply_bias(self, x: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -243,21 +255,27 @@ class Sampler:
         caps = torch.nn.functional.embedding(octets, self._byte_caps)  # [B, 4W, 8]
         return caps.reshape(words.shape[0], -1)[:, : self.vocab_size]  # [B, V]
 
-    def _apply_min_new(self, x: torch.Tensor, states: Sequence[SamplingState]) -> None:
-        rows = [(r, s.min_new_banned) for r, s in enumerate(states) if s.min_new_active]
+    def _apply_min_new(
+        self, x: torch.Tensor, states: Sequence[SamplingState], ahead: Sequence[Sequence[int]] | None
+    ) -> None:
+        rows = [(r, s.min_new_banned) for r, s in enumerate(states) if s.min_new_active_after(_count(ahead, r))]
         if not rows:
             return
         banned = [ids for _, ids in rows if ids is not None]
         row_idx = self._repeat_rows([r for r, _ in rows], [ids.numel() for ids in banned])  # [K]
         x.index_put_((row_idx, torch.cat(banned)), torch.tensor(float("-inf"), device=self.device))
 
-    def _apply_penalties(self, x: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    def _apply_penalties(
+        self, x: torch.Tensor, states: Sequence[SamplingState], ahead: Sequence[Sequence[int]] | None
+    ) -> None:
         rows = [r for r, s in enumerate(states) if s.penalties is not None]
         if not rows:
             return
         picked = [states[r] for r in rows]
         tensors = [s.penalties for s in picked if s.penalties is not None]
         counts = torch.stack([t.output_counts for t in tensors])  # [P, V]
+        if ahead is not None:
+            counts = counts + self._counts_ahead([ahead[r] for r in rows])  # [P, V]
         prompt = torch.stack([t.prompt_mask for t in tensors])  # [P, V]
         rep = self._column([s.params.repetition_penalty for s in picked])  # [P, 1]
         freq = self._column([s.params.frequency_penalty for s in picked])  # [P, 1]
@@ -269,6 +287,15 @@ class Sampler:
         sel = torch.where(prompt | output_seen, penalized, sel)  # [P, V]
         sel = sel - freq * counts - pres * output_seen.float()  # [P, V]
         x[row_idx] = sel
+
+    def _counts_ahead(self, ahead: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[P, V] how often each token occurs in each row's ``ahead`` tokens."""
+        counts = torch.zeros(len(ahead), self.vocab_size, dtype=torch.float32, device=self.device)  # [P, V]
+        row_idx = self._repeat_rows(list(range(len(ahead))), [len(a) for a in ahead])  # [N]
+        if row_idx.numel():
+            ids = torch.tensor([t for a in ahead for t in a], dtype=torch.long, device=self.device)  # [N]
+            counts.index_put_((row_idx, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        return counts
 
     # ---- token choice (steps 6-7) ----
 
@@ -285,15 +312,20 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """Sample one token per row of ``x`` [S, V] with each row's own generator."""
+        probs = self.probabilities(x, states)  # [S, V]
+        noise = torch.stack([self.noise(s.generator) for s in states])  # [S, V]
+        return race(probs, noise)  # [S]
+
+    def probabilities(self, x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Step 7 but the draw: processed logits ``x`` [S, V] of sampled rows -> the (unnormalised) distribution each
+        row's token is drawn from, after temperature, top-k, top-p and min-p [S, V]."""
         temps = self._column([max(s.params.temperature, _MIN_TEMPERATURE) for s in states])  # [S, 1]
         probs = torch.softmax(x / temps, dim=-1)  # [S, V]
         probs = self._top_k_top_p(probs, states)  # [S, V]
-        probs = self._min_p(probs, states)  # [S, V]
-        noise = torch.stack([self._noise(s.generator) for s in states])  # [S, V]
-        # argmax(p / E), E ~ Exp(1), picks token i with probability p_i / sum(p): no renormalization needed.
-        return torch.argmax(probs / noise, dim=-1)  # [S]
+        return self._min_p(probs, states)  # [S, V]
 
-    def _noise(self, generator: torch.Generator) -> torch.Tensor:
+    def noise(self, generator: torch.Generator) -> torch.Tensor:
+        """One draw's Exp(1) noise [V] from a request's generator: each sampled token consumes exactly one."""
         noise = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)  # [V]
         return noise.exponential_(generator=generator).clamp_min_(_MIN_NOISE)  # [V]
 
@@ -350,6 +382,16 @@ class Sampler:
         row_t = torch.tensor(rows, dtype=torch.long, device=self.device)  # [R]
         count_t = torch.tensor(counts, dtype=torch.long, device=self.device)  # [R]
         return torch.repeat_interleave(row_t, count_t)  # [sum(counts)]
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...]: ``argmax(p / E)`` with E ~ Exp(1) picks token i with probability p_i / sum(p), no
+    renormalisation needed."""
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def _count(ahead: Sequence[Sequence[int]] | None, row: int) -> int:
+    return len(ahead[row]) if ahead is not None else 0
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,12 @@ class KVPool:
         """Values of ``layer``: ``[num_pages * page_size, num_kv_heads, head_dim]``."""
         return self._buffer[layer, 1]
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of flat slots ``src`` [N] to slots ``dst`` [N] in every layer (a verified draft tree's
+        accepted path compacted into place, C11). All sources are read before any destination is written."""
+        rows = self._buffer.index_select(2, src)  # [layers, 2, N, Hkv, D]
+        self._buffer.index_copy_(2, dst, rows)
+
     @property
     def num_layers(self) -> int:
         return self._num_layers

@@ -9,6 +9,7 @@ from engine.constraint import Constraint
 from engine.finish import Finish
 from engine.kv.prefix_cache import RadixNode
 from engine.sampling_params import SamplingParams
+from engine.scheduler.spec_policy import RequestSpec
 from engine.scheduler.stop import StopChecker
 
 
@@ -43,6 +44,31 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass
+class SpecCounts:
+    """Speculative decoding so far: verify steps, draft tokens proposed, draft tokens accepted."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.verify_steps += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted draft tokens per draft token (0 before any)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per verify step: accepted drafts plus the sampled one (0 before any)."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """One increment of a request's stream. The last one carries ``finish`` and the final ``output_ids``
@@ -57,6 +83,9 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish: Finish | None = None
     output_ids: tuple[int, ...] | None = None
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
 
     @property
     def finished(self) -> bool:
@@ -101,6 +130,8 @@ class Request:
     prefix_counted: bool = False
     grammar_terminated: bool = False
     finish: Finish | None = None
+    spec: SpecCounts = field(default_factory=lambda: SpecCounts())
+    drafting: RequestSpec = field(default_factory=lambda: RequestSpec())
 
     @property
     def num_prompt(self) -> int:

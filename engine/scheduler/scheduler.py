@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.errors import ProtocolError
@@ -40,7 +40,8 @@ from engine.grammar_calls import CommitOutcome as GrammarCommitOutcome
 from engine.kv.allocator import PageAllocator
 from engine.kv.prefix_cache import RadixNode, RadixPrefixCache
 from engine.kv.slots import SlotTable
-from engine.scheduler.request import Request, RequestOutput, RequestState, TokenLogprob
+from engine.scheduler.request import Request, RequestOutput, RequestState, SpecCounts, TokenLogprob
+from engine.scheduler.spec_policy import SpecPolicy
 from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult
 
 
@@ -68,6 +69,8 @@ class _Inflight:
     plan: StepPlan
     planned: tuple[int, ...]
     chunk_ends: tuple[int, ...]
+    num_decodes: int = 0
+    draft_depth: int = 0  # the speculative depth the step's decodes were planned at
 
 
 @dataclass
@@ -108,6 +111,7 @@ class SchedulerStats:
     prefill_tokens: int
     cached_prompt_tokens: int
     steps: int
+    spec: SpecCounts = field(default_factory=lambda: SpecCounts())
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -132,6 +136,10 @@ class Scheduler:
         self._prefill_tokens = 0
         self._cached_prompt_tokens = 0
         self._kv_lost = False  # set while requests are released after the executor lost its KV
+        self._draft_nodes = config.speculative.draft_nodes
+        self._spec = SpecCounts()
+        self._policy = SpecPolicy(config.speculative)
+        self._depth = 0  # the draft depth of the step being planned
 
     # ---------------------------------------------------------------- intake
 
@@ -171,6 +179,8 @@ class Scheduler:
         """Plan the next step from current bookkeeping, or None when nothing can run now."""
         planned: list[tuple[StepEntry, int, int]] = []  # entry, output tokens it may produce, chunk end
         budget = self._config.chunk_size
+        num_decodes = sum(1 for r in self._running if r.state is RequestState.DECODING and not r.finishing)
+        self._depth = self._policy.batch_depth(num_decodes) if self._draft_nodes else 0
         for req in self._running:
             item, used = self._plan_running(req, budget)
             if item is not None:
@@ -190,7 +200,13 @@ class Scheduler:
             req.inflight_steps += 1
             req.inflight_output += tokens
         self._inflight.append(
-            _Inflight(plan, tuple(tokens for _, tokens, _ in planned), tuple(end for _, _, end in planned))
+            _Inflight(
+                plan,
+                tuple(tokens for _, tokens, _ in planned),
+                tuple(end for _, _, end in planned),
+                num_decodes,
+                self._depth,
+            )
         )
         return plan
 
@@ -204,8 +220,12 @@ class Scheduler:
         remaining = req.params.max_new_tokens - req.planned_output
         if remaining <= 0:
             return None, 0  # its last token is in flight; the commit finishes it by length.
-        drafts = min(self._config.num_draft_tokens, remaining - 1)  # a run never outgrows max_new_tokens
+        drafts = min(self._drafts_for(req), remaining - 1)  # a run never outgrows max_new_tokens
         return (self._plan_decode(req, drafts), 1 + drafts, 0), 0
+
+    def _drafts_for(self, req: Request) -> int:
+        """Draft positions for ``req``'s next decode: the step's depth, unless the request's drafts do not pay."""
+        return self._policy.request_depth(req.drafting, self._depth) if self._depth else 0
 
     def _plan_decode(self, req: Request, drafts: int) -> StepEntry:
         assert req.slot is not None
@@ -331,11 +351,22 @@ class Scheduler:
                 raise ProtocolError(
                     f"request {req.request_id}: run at ordinal {run.ordinal}, committed {len(req.output_ids)} (C2)"
                 )
+            req.spec.add(run.num_drafted, run.num_accepted)
+            self._spec.add(run.num_drafted, run.num_accepted)
+            self._policy.observe_request(req.drafting, run.num_drafted, run.num_accepted)
             cuts.append(_cut(req, run))
+        self._observe_spec(inflight, result)
         grammar = [
             CommitEntry(c.req.request_id, len(c.req.output_ids), c.kept) for c in cuts if c.req.constraint is not None
         ]
         return PendingCommit(grammar, outcome, inflight, cuts)
+
+    def _observe_spec(self, inflight: _Inflight, result: StepResult) -> None:
+        """What the step's depth paid: only pure decode steps say it (a prefill chunk's cost is not the depth's)."""
+        if not self._draft_nodes or any(e.is_prefill for e in inflight.plan.entries):
+            return
+        tokens = sum(len(run.token_ids) for run in result.runs)
+        self._policy.observe_step(inflight.num_decodes, inflight.draft_depth, tokens, result.timing.done)
 
     def finish_commit(self, pending: PendingCommit, grammar: Sequence[GrammarCommitOutcome]) -> CommitOutcome:
         """Phase 2: ``grammar`` answers ``pending.grammar`` in order. A run the grammar ended early is cut there
@@ -486,6 +517,9 @@ class Scheduler:
             logprobs=logprobs,
             finish=req.finish,
             output_ids=tuple(req.output_ids) if req.finish is not None else None,
+            spec_draft_tokens=req.spec.draft_tokens,
+            spec_accepted_tokens=req.spec.accepted_tokens,
+            spec_verify_steps=req.spec.verify_steps,
         )
 
     def check_invariants(self) -> None:
@@ -517,6 +551,7 @@ class Scheduler:
             prefill_tokens=self._prefill_tokens,
             cached_prompt_tokens=self._cached_prompt_tokens,
             steps=self._next_step_id - 1,
+            spec=replace(self._spec),  # a copy: a snapshot does not move
         )
 
 

@@ -214,6 +214,7 @@ def timing_to_proto(timing: StepTiming) -> pb.StepTiming:
         forward_done=timing.forward_done,
         done=timing.done,
         forward_cpu=timing.forward_cpu,
+        draft_seconds=timing.draft_seconds,
     )
     if timing.masks_started is not None:
         msg.masks_started = timing.masks_started
@@ -227,6 +228,7 @@ def timing_from_proto(msg: pb.StepTiming) -> StepTiming:
         forward_done=msg.forward_done,
         done=msg.done,
         forward_cpu=msg.forward_cpu,
+        draft_seconds=msg.draft_seconds,
     )
 
 

@@ -29,6 +29,14 @@ class ExecutorMetrics:
         )
         self._tokens = Counter("ordinal_executor_tokens", "Tokens run through the model.", registry=r)
         self._samples = Counter("ordinal_executor_samples", "Tokens sampled.", registry=r)
+        self._draft = Histogram(
+            "ordinal_executor_draft_seconds",
+            "Speculative proposer time per step that drafted.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self._drafted = Counter("ordinal_executor_spec_draft_tokens", "Draft tokens verified.", registry=r)
+        self._accepted = Counter("ordinal_executor_spec_accepted_tokens", "Draft tokens accepted.", registry=r)
         self._buffers = Gauge(
             "ordinal_executor_buffers_alive", "Per-request buffers (sampling state) held now.", registry=r
         )
@@ -39,6 +47,14 @@ class ExecutorMetrics:
         self._tokens.inc(num_tokens)
         self._samples.inc(num_samples)
 
+    def speculated(self, result: StepResult) -> None:
+        """Record a step's drafting: the proposer's time, the draft tokens verified and accepted."""
+        drafted = sum(r.num_drafted for r in result.runs)
+        if drafted:
+            self._draft.observe(result.timing.draft_seconds)
+            self._drafted.inc(drafted)
+            self._accepted.inc(sum(r.num_accepted for r in result.runs))
+
     def track_step(self, plan: StepPlan, future: Future[StepResult]) -> None:
         """Record ``plan`` once its launched ``future`` succeeds (a failed step is not a step executed)."""
 
@@ -46,6 +62,7 @@ class ExecutorMetrics:
             if not f.cancelled() and f.exception() is None:
                 result = f.result()
                 self.step_executed(result.timing.done, plan.num_tokens, sum(len(r.token_ids) for r in result.runs))
+                self.speculated(result)
 
         future.add_done_callback(done)
 

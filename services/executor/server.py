@@ -82,6 +82,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             # An ended session counts as open until its buffers are gone, so "closed" implies "0 buffers".
             session_open=self._session_open or bool(self._resets),
             forward_cpu_seconds=self._forward_cpu,
+            draft_slots=self.runner.proposer_slots,
         )
 
     async def Session(

@@ -31,7 +31,7 @@ from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.constraint import MODE_PARAM, Constraint, JsonSchemaMode
 from engine.errors import InvalidRequestError
 from engine.finish import Finish
@@ -313,6 +313,8 @@ def complete_response(
         completion_tokens=out.num_output_tokens,
         cached_tokens=out.num_cached_tokens,
         index=index,
+        spec_accepted_tokens=out.spec_accepted_tokens,
+        spec_draft_tokens=out.spec_draft_tokens,
     )
     _set_matched(complete, out.finish)
     if logprobs is not None:
@@ -397,10 +399,24 @@ def server_args(
         "dtype": config.dtype,
         "random_seed": config.seed,
         "disaggregation_mode": "null",
+        **_speculative_args(config.speculative),
         "executor": executor if executor is not None else "in-process",
         # SGLang's name; "none" tells a gateway that constrained requests will be refused.
         "grammar_backend": "xgrammar" if grammar is not None else "none",
         "grammar": grammar or "none",
+    }
+
+
+def _speculative_args(spec: SpeculativeConfig) -> dict[str, object]:
+    """SGLang's speculative arguments (``speculative_algorithm`` None when off, as SGLang reports it)."""
+    if not spec.enabled:
+        return {"speculative_algorithm": None}
+    return {
+        "speculative_algorithm": spec.algorithm.value.upper(),
+        "speculative_draft_model_path": spec.draft_model_path,
+        "speculative_num_steps": spec.num_steps,
+        "speculative_eagle_topk": spec.topk,
+        "speculative_num_draft_tokens": spec.draft_nodes + 1,
     }
 
 
@@ -417,6 +433,11 @@ def server_info_response(
             "max_running_requests": config.max_running,
             "vocab_size": model.info.vocab_size,
             "is_generation": True,
+            "spec_verify_steps": stats.spec.verify_steps,
+            "spec_draft_tokens": stats.spec.draft_tokens,
+            "spec_accepted_tokens": stats.spec.accepted_tokens,
+            "avg_spec_accept_length": stats.spec.accept_length,
+            "spec_accept_rate": stats.spec.accept_rate,
         }
     )
     start = Timestamp()
@@ -462,6 +483,9 @@ def loads_response(
         load.memory.CopyFrom(pb.MemoryMetrics(token_capacity=total_tokens))
     if everything or "queues" in sections:
         load.queues.CopyFrom(pb.QueueMetrics(waiting=stats.num_waiting))
+    if everything or "spec" in sections:
+        spec = stats.spec
+        load.speculative.CopyFrom(pb.SpeculativeMetrics(accept_length=spec.accept_length, accept_rate=spec.accept_rate))
     if everything or "disagg" in sections:
         load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
     aggregate = pb.AggregateMetrics(

@@ -142,6 +142,19 @@ class _StatsCollector(Collector):
         )
         yield CounterMetricFamily("ordinal_prefill_tokens", "Prompt tokens planned for prefill.", s.prefill_tokens)
         yield CounterMetricFamily("ordinal_steps", "Steps planned.", s.steps)
+        yield CounterMetricFamily(
+            "ordinal_spec_verify_steps", "Speculative verifies (a request's decode with a draft).", s.spec.verify_steps
+        )
+        yield CounterMetricFamily("ordinal_spec_draft_tokens", "Draft tokens verified.", s.spec.draft_tokens)
+        yield CounterMetricFamily("ordinal_spec_accepted_tokens", "Draft tokens accepted.", s.spec.accepted_tokens)
+        yield _gauge(
+            "ordinal_spec_accept_length",
+            "Tokens per speculative verify: accepted drafts plus the sampled one (since start; 0 before any).",
+            s.spec.accept_length,
+        )
+        yield _gauge(
+            "ordinal_spec_accept_rate", "Accepted draft tokens per draft token (since start).", s.spec.accept_rate
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -51,7 +51,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpecAlgorithm, SpeculativeConfig
 from engine.constraint import Constraint, ConstraintKind
 from engine.executor.runner import ModelRunner
 from engine.finish import AbortCause, FinishReason
@@ -128,8 +128,10 @@ class MachineStack:
     outcomes: Counter[str] = field(default_factory=Counter)
 
 
-@pytest.fixture(scope="module")
-def stack(embedded_model_dir: Path) -> Iterator[MachineStack]:
+@pytest.fixture(scope="module", params=["plain", "speculative"])
+def stack(request: pytest.FixtureRequest, embedded_model_dir: Path) -> Iterator[MachineStack]:
+    # Speculative: the target drafts for itself, so every decode step returns a run of up to three tokens.
+    spec = SpeculativeConfig(SpecAlgorithm.DRAFT, str(embedded_model_dir), num_steps=2, adaptive=False)
     config = EngineConfig(
         model_path=str(embedded_model_dir),
         page_size=PAGE,
@@ -138,6 +140,7 @@ def stack(embedded_model_dir: Path) -> Iterator[MachineStack]:
         chunk_size=8,
         grammar_wait_s=WAIT_S,
         check_invariants=True,  # the prefix cache's invariants, checked by the loop after every scheduler event
+        speculative=spec if request.param == "speculative" else SpeculativeConfig(),
     )
     local = LocalGrammar(str(embedded_model_dir))  # one registry: the scheduler commits, the executor fetches masks
     runner = ModelRunner.load(config, local)

@@ -1,5 +1,5 @@
 """An abort storm against the split stack: 320 concurrent streams from one client, a third aborted, a tenth
-cancelled, a quarter constrained, with overlap on and off.
+cancelled, a quarter constrained, with overlap on and off, and with speculation (n-gram drafts) on.
 
 ``ordinal serve --no-gateway`` runs the grammar service, the executor and the scheduler as processes on loopback;
 this process is the only client. Every stream is opened at once over one asyncio channel. A third of them get an
@@ -38,7 +38,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,7 +133,12 @@ def _jobs(templates: list[Template]) -> list[Job]:
     return jobs
 
 
-@pytest.fixture(scope="module", params=["overlap", "no-overlap"])
+def _mode(args: Sequence[str]) -> str:
+    mode = "no overlap" if "--no-overlap" in args else "overlap"
+    return mode + (", speculative" if "--speculative-algorithm" in args else "")
+
+
+@pytest.fixture(scope="module", params=["overlap", "no-overlap", "overlap+spec"])
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path
 ) -> Iterator[ServeStack]:
@@ -142,6 +147,8 @@ def stack(
     flags += ["--chunk-size", "256", "--log-level", "WARNING"]
     if request.param == "no-overlap":
         flags.append("--no-overlap")
+    if request.param == "overlap+spec":  # n-gram drafts: the embedded model's greedy output repeats, they hit often
+        flags += ["--speculative-algorithm", "ngram", "--speculative-num-steps", "4", "--speculative-adaptive", "off"]
     served = start_serve(tmp_path_factory.mktemp("storm") / "serve.stderr", embedded_model_dir, *flags)
     try:
         yield served
@@ -238,7 +245,8 @@ def _baseline(stack: ServeStack, stub: pb_grpc.SglangSchedulerStub, vocab: int) 
     load = wait_for_idle_load(stub, RPC_TIMEOUT_S)
     assert load.num_running_reqs == load.num_waiting_reqs == load.num_used_tokens == 0, load
     with grpc.insecure_channel(stack.fields["executor"]) as ex:
-        assert epb_grpc.ExecutorStub(ex).GetState(epb.StateRequest(), timeout=RPC_TIMEOUT_S).buffers == 0
+        state = epb_grpc.ExecutorStub(ex).GetState(epb.StateRequest(), timeout=RPC_TIMEOUT_S)
+        assert state.buffers == state.draft_slots == 0, state
     with grpc.insecure_channel(stack.fields["grammar"]) as gr:
         assert gpb_grpc.GrammarStub(gr).GetState(gpb.StateRequest(), timeout=RPC_TIMEOUT_S).num_open == 0
     # The whole pool, reserved by one request: possible only if no page or reservation leaked.
@@ -272,7 +280,7 @@ async def test_abort_storm(stack: ServeStack, record_property: Callable[[str, ob
     p50 = statistics.median(latencies)
     p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
     summary = (
-        f"abort storm ({'no overlap' if '--no-overlap' in stack.proc.args else 'overlap'}): {STREAMS} streams, "
+        f"abort storm ({_mode(stack.proc.args)}): {STREAMS} streams, "
         + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
         + f"; {storm_s:.1f} s; Abort latency p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms over {len(latencies)}"
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpecAlgorithm, SpeculativeConfig
 from engine.constraint import Constraint, ConstraintKind
 from engine.errors import ProtocolError
 from engine.finish import AbortCause, FinishReason
@@ -46,6 +46,10 @@ def _sched(**kw: object) -> Scheduler:
     base = {"page_size": 4, "num_pages": 64, "max_running": 8, "chunk_size": 16}
     base.update(kw)
     return Scheduler(EngineConfig(**base))  # type: ignore[arg-type]
+
+
+def _spec(drafts: int) -> SpeculativeConfig:
+    return SpeculativeConfig(SpecAlgorithm.NGRAM, num_draft_tokens=drafts + 1, adaptive=False)
 
 
 def _baseline(s: Scheduler) -> None:
@@ -237,7 +241,7 @@ def test_a_run_past_a_stop_token_is_cut_there() -> None:
     """C6 for runs: a decode with three draft positions comes back with four tokens, the second an eos. The output
     keeps the run up to the eos and finishes with STOP; the two after it are never appended or streamed, and the
     watermark covers only the kept tokens' KV. Fails if `_cut` keeps the whole run (checked once)."""
-    s = _sched(num_draft_tokens=3)
+    s = _sched(speculative=_spec(3))
     decode = _decoding(s, "a", max_new=10)
     (entry,) = decode.entries
     assert entry.input_ref and entry.num_draft == 3 and entry.ordinal == 0
@@ -253,7 +257,7 @@ def test_a_run_past_a_stop_token_is_cut_there() -> None:
 def test_drafts_never_let_a_run_outgrow_max_new_tokens() -> None:
     """The draft positions of a decode shrink as the request nears max_new_tokens, so a run fits in what the
     request may take and in its page reservation; a run longer than its entry allows is refused (C2)."""
-    s = _sched(num_draft_tokens=3)
+    s = _sched(speculative=_spec(3))
     decode = _decoding(s, "a", max_new=3)
     (entry,) = decode.entries
     assert entry.num_draft == 1  # one token committed, one sampled: room for one draft
@@ -268,7 +272,7 @@ def test_a_constrained_run_the_grammar_ends_early_is_cut_at_its_end() -> None:
     to the grammar in one entry from the committed ordinal (C1, C2); the output keeps what the grammar took and
     finishes with STOP. Fails if `_apply_grammar` keeps the run past the grammar's end when the stop checks had
     ended it later (checked once)."""
-    s = _sched(num_draft_tokens=2)
+    s = _sched(speculative=_spec(2))
     req = _req("g", 3, max_new=4, ignore_eos=True)
     req.constraint = REGEX
     s.add(req)

@@ -1,0 +1,208 @@
+"""The draft-model proposer: a smaller model sharing the target's tokenizer drafts each request's next tokens.
+
+It keeps a KV pool of its own, addressed by the target's page ids (the same pages discipline: a request's draft
+KV lives in the pages the scheduler gave the request, so it is freed with them, C9). Per slot it remembers which
+tokens its KV holds, position by position (``fed``); before drafting it compares them with the request's real
+tokens and feeds only what differs, so it catches up with whatever the verify accepted (or with a stretch where
+the request was not drafted at all) without being told.
+
+One propose call runs ``max depth`` draft forwards over every drafted request at once: the first feeds each
+request's catch-up run (ending with its pending token), each later one the token chosen at the depth before. At
+every depth the request's draft continues with one token (the spine) and, for a tree (``topk > 1``), gets the
+next most likely tokens as siblings of it, leaves in the verify tree. A greedy or seeded request's spine is the
+draft's argmax: the verify then reproduces plain decoding exactly (engine/executor/verify.py). Any other sampled
+request's spine is drawn from the draft's own distribution (after the request's temperature, top-k, top-p,
+min-p), which is returned as ``q`` for the rejection rule; siblings are chosen deterministically (one-hot ``q``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.executor.proposer import NO_DRAFT, Draft, DraftRequest
+from engine.executor.sampler import Sampler, race
+from engine.grammar_calls import DraftTree
+from engine.kv.pool import KVPool
+from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_model
+from engine.model_info import ModelInfo
+
+# Separates a request's draft random stream from its own (the target's sampling) stream.
+_DRAFT_STREAM = 0x5DEECE66D
+
+
+@dataclass
+class _SlotDraft:
+    """What the draft pool holds for one slot: ``fed[p]`` is the token whose KV sits at position p."""
+
+    fed: list[int] = field(default_factory=list)
+    valid: int = 0  # fed[:valid] is known to equal the request's tokens
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Growing:
+    """One request's draft while it is built, depth by depth."""
+
+    request: DraftRequest
+    depth: int  # spine length to reach
+    sampled: bool  # the spine is drawn (q matters), not the argmax
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    q_rows: list[torch.Tensor | int] = field(default_factory=list)  # a distribution [V], or a one-hot token
+    spine: list[int] = field(default_factory=list)  # node index of the spine token at each depth
+    siblings_left: int = 0
+
+    def draft(self, vocab_size: int, device: torch.device) -> Draft:
+        tree = DraftTree(tuple(self.tokens), tuple(self.parents))
+        if not self.sampled:
+            return Draft(tree)
+        q = torch.zeros(len(self.tokens), vocab_size, dtype=torch.float32, device=device)  # [m, V]
+        for i, row in enumerate(self.q_rows):
+            if isinstance(row, int):
+                q[i, row] = 1.0
+            else:
+                q[i] = row
+        return Draft(tree, q)
+
+
+class DraftModelProposer:
+    """Drafts with a small model over its own paged KV pool (same page ids as the target's)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVPool, vocab_size: int, max_context: int) -> None:
+        self._model = model
+        self._kv = kv
+        self._vocab_size = vocab_size
+        self._max_context = max_context
+        self._device = kv.device
+        self._sampler = Sampler(vocab_size, kv.device)
+        self._slots: dict[int, _SlotDraft] = {}
+
+    @classmethod
+    def load(cls, path: Path, config: EngineConfig, info: ModelInfo) -> DraftModelProposer:
+        device = torch.device(config.device)
+        model, model_config = load_model(path, config.torch_dtype, device)
+        if model_config.vocab_size != info.vocab_size:
+            raise ValueError(
+                f"draft model {path} has a vocabulary of {model_config.vocab_size} tokens, the target "
+                f"{info.model_path} one of {info.vocab_size}: a draft must share the target's tokenizer"
+            )
+        kv = KVPool(
+            model_config.num_layers,
+            config.num_pages,
+            config.page_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            config.torch_dtype,
+            device,
+        )
+        return cls(model, kv, info.vocab_size, model_config.max_position_embeddings)
+
+    # ------------------------------------------------------------ Proposer
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        growing = [self._start(r) for r in requests]
+        live = [g for g in growing if g is not None]
+        if live:
+            self._draft(live)
+        return [g.draft(self._vocab_size, self._device) if g is not None else NO_DRAFT for g in growing]
+
+    def accepted(self, slot: int, path: Sequence[int], seq_len: int) -> None:
+        return None  # the next propose compares what the pool holds with the request's tokens
+
+    def release(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    # ------------------------------------------------------------ drafting
+
+    def _start(self, r: DraftRequest) -> _Growing | None:
+        depth = min(r.max_depth, r.max_nodes)
+        if depth < 1 or r.seq_len + depth > self._max_context:
+            return None
+        params = r.sampling.params
+        sampled = not params.greedy and params.seed is None
+        return _Growing(r, depth, sampled, siblings_left=r.max_nodes - depth if r.topk > 1 else 0)
+
+    def _draft(self, live: list[_Growing]) -> None:
+        seqs = [self._catch_up(g.request) for g in live]
+        for d in range(1, max(g.depth for g in live) + 1):
+            logits = self._model(ForwardBatch.build(seqs, self._kv.page_size, self._device), self._kv)  # [B, V]
+            self._choose(live, logits)
+            still = [g for g in live if len(g.spine) < g.depth]
+            if not still:
+                return
+            seqs = [self._feed(g, d) for g in still]
+            live = still
+
+    def _catch_up(self, r: DraftRequest) -> SeqInput:
+        """The first forward's run for ``r``: from the first position whose draft KV is not the request's token,
+        through its pending token (always fed: its logits give the first draft)."""
+        state = self._slots.setdefault(r.slot, _SlotDraft())
+        v, tokens = state.valid, r.tokens
+        end = min(len(state.fed), r.seq_len)
+        while v < end and state.fed[v] == tokens[v]:
+            v += 1
+        v = min(v, r.seq_len)
+        del state.fed[v:]
+        state.fed.extend(tokens[v : r.seq_len + 1])
+        state.valid = r.seq_len + 1
+        if state.generator is None:
+            state.generator = torch.Generator(device=self._device)
+            state.generator.manual_seed(r.sampling.generator.initial_seed() ^ _DRAFT_STREAM)
+        return SeqInput(tokens[v : r.seq_len + 1], v, r.pages, LogitsMode.LAST)
+
+    def _feed(self, g: _Growing, depth: int) -> SeqInput:
+        """The run for depth ``depth + 1``: the spine token chosen at ``depth``, written after the ones before."""
+        token = g.tokens[g.spine[-1]]
+        state = self._slots[g.request.slot]
+        state.fed.append(token)  # speculative: the next propose keeps it only if the verify accepted it
+        return SeqInput((token,), g.request.seq_len + depth, g.request.pages, LogitsMode.LAST)
+
+    def _choose(self, live: list[_Growing], logits: torch.Tensor) -> None:
+        raw = logits[:, : self._vocab_size].float()  # [B, V]
+        spine = raw.max(dim=-1).indices  # [B]
+        sampled = [i for i, g in enumerate(live) if g.sampled]
+        probs: torch.Tensor | None = None
+        if sampled:
+            rows = torch.tensor(sampled, dtype=torch.long, device=raw.device)  # [S]
+            probs = self._sampler.probabilities(raw.index_select(0, rows), [live[i].request.sampling for i in sampled])
+            probs = probs / probs.sum(dim=-1, keepdim=True)  # [S, V]
+            generators = [self._slots[live[i].request.slot].generator for i in sampled]
+            noise = torch.stack([self._sampler.noise(gen) for gen in generators if gen is not None])  # [S, V]
+            spine[rows] = race(probs, noise)
+        width = max(g.request.topk for g in live)
+        ranked = raw.topk(min(width + 1, self._vocab_size), dim=-1).indices.tolist() if width > 1 else None  # [B, w+1]
+        spine_ids = spine.tolist()
+        row_of = {i: k for k, i in enumerate(sampled)}
+        for i, g in enumerate(live):
+            q_row: torch.Tensor | int = spine_ids[i]
+            if probs is not None and i in row_of:
+                q_row = probs[row_of[i]]
+            self._grow(g, spine_ids[i], q_row, ranked[i] if ranked is not None else ())
+
+    @staticmethod
+    def _grow(g: _Growing, token: int, q_row: torch.Tensor | int, ranked: Sequence[int]) -> None:
+        parent = g.spine[-1] if g.spine else -1
+        g.spine.append(len(g.tokens))
+        g.tokens.append(token)
+        g.parents.append(parent)
+        g.q_rows.append(q_row)
+        room = min(g.request.topk - 1, g.siblings_left)
+        for sibling in (t for t in ranked if t != token):
+            if room <= 0:
+                break
+            g.tokens.append(sibling)
+            g.parents.append(parent)
+            g.q_rows.append(sibling)
+            g.siblings_left -= 1
+            room -= 1
