@@ -1,8 +1,8 @@
 """Speculative decoding: tokens per second and acceptance length with and without it, side by side in one run.
 
 For each proposer (the draft model, n-gram lookup), each kind of prompt (ones that repeat themselves, n-gram's home
-ground, and ones that do not) and each concurrency (1, 8, 32 streams), the same greedy requests run on the engine
-(in process, the real scheduler loop and executor) four ways:
+ground, and ones that do not) and each concurrency (1, 8, 32 streams), the same greedy requests run through the
+services as users run them (executor and scheduler processes, loopback gRPC, streams from this process), four ways:
 
     plain          no speculation, overlap on (the default serving mode): the baseline
     spec           speculation, overlap off (the scheduler commits step N before launching N+1)
@@ -22,23 +22,22 @@ stream with the draft model, >= 1.0x at 32 streams (never slower), overlapped >=
 from __future__ import annotations
 
 import argparse
-import os
-import random
+import asyncio
 import sys
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import EngineConfig, SpecAlgorithm, SpeculativeConfig
+from bench.load import Job, run_grpc, spawned_stack
+from engine.config import EngineConfig
 from engine.executor.proposers import draft_dir
 from engine.model.folder import model_dir
 from engine.model.tokenizer import Tokenizer
-from engine.sampling_params import SamplingParams
-from engine.scheduler.engine import Engine
 
 # Prompts whose continuation repeats what they hold (lists, code, a passage to copy), and ones that do not.
 _REPEATING = (
@@ -73,54 +72,74 @@ class Row:
     fixed: Run
 
 
-def _prompts(tokenizer: Tokenizer, kind: str, n: int, seed: int) -> list[list[int]]:
+def _prompts(tokenizer: Tokenizer, kind: str, n: int, max_new: int) -> list[Job]:
     texts = _REPEATING if kind == "repeating" else _FRESH
-    rng = random.Random(seed)
-    return [tokenizer.encode(texts[i % len(texts)] + " " * rng.randint(0, 2)) for i in range(n)]
+    return [Job(tokenizer.encode(texts[i % len(texts)] + " " * (i % 3)), max_new) for i in range(n)]
 
 
-def _measure(config: EngineConfig, prompts: list[list[int]], streams: int, max_new: int) -> Run:
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
-    with Engine(config) as engine:
-        engine.generate_batch(prompts[:streams], [replace(params, max_new_tokens=8)] * streams)  # warm up
-        before = engine.stats().spec
-        started = time.perf_counter()
-        tokens = 0
-        for start in range(0, len(prompts), streams):
-            batch = prompts[start : start + streams]
-            outs = engine.generate_batch(batch, [params] * len(batch), timeout=1800)
-            tokens += sum(o.num_output_tokens for o in outs)
-        elapsed = time.perf_counter() - started
-        after = engine.stats().spec
-    steps = after.verify_steps - before.verify_steps
-    accepted = after.accepted_tokens - before.accepted_tokens
-    return Run(tokens / elapsed, (accepted + steps) / steps if steps else 0.0)
+def _spec_counts(target: str) -> tuple[float, float]:
+    with grpc.insecure_channel(target) as channel:
+        info = pb_grpc.SglangSchedulerStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    fields = info.scheduler_info.fields
+    return fields["spec_verify_steps"].number_value, fields["spec_accepted_tokens"].number_value
+
+
+def _measure(target: str, jobs: list[Job], streams: int) -> Run:
+    steps0, accepted0 = _spec_counts(target)
+    report = asyncio.run(run_grpc(target, streams, jobs))
+    steps1, accepted1 = _spec_counts(target)
+    steps, accepted = steps1 - steps0, accepted1 - accepted0
+    return Run(report.tokens_per_s, (accepted + steps) / steps if steps else 0.0)
+
+
+def _mode_flags(
+    algorithm: str | None, draft: Path | None, overlap: bool, adaptive: bool, args: argparse.Namespace
+) -> list[str]:
+    flags = [
+        "--num-pages",
+        "8192",
+        "--no-prefix-cache",
+        "--max-running",
+        str(max(args.streams)),
+        "--log-level",
+        "WARNING",
+    ]
+    if not overlap:
+        flags.append("--no-overlap")
+    if algorithm is not None:
+        flags += ["--speculative-algorithm", algorithm, "--speculative-num-steps", str(args.steps)]
+        flags += ["--speculative-eagle-topk", str(args.topk), "--speculative-adaptive", "on" if adaptive else "off"]
+        if draft is not None:
+            flags += ["--speculative-draft-model-path", str(draft)]
+    return flags
+
+
+def _runs(target: Path, flags: list[str], workloads: dict[tuple[str, int], list[Job]]) -> dict[tuple[str, int], Run]:
+    """Every workload through one stack started with ``flags`` (executor and scheduler processes, loopback gRPC)."""
+    with spawned_stack(target, flags) as stack:
+        return {key: _measure(stack.target, jobs, key[1]) for key, jobs in workloads.items()}
 
 
 def bench(args: argparse.Namespace) -> list[Row]:
-    base = EngineConfig(model_path=args.target, max_running=max(args.streams), num_pages=8192, prefix_cache=False)
-    target = model_dir(base)
-    base = replace(base, model_path=str(target))
+    target = model_dir(EngineConfig(model_path=args.target))
     tokenizer = Tokenizer.from_dir(target)
+    workloads = {
+        (kind, streams): _prompts(tokenizer, kind, max(streams * args.rounds, args.min_requests), args.max_new)
+        for kind in ("repeating", "fresh")
+        for streams in args.streams
+    }
+    plain = _runs(target, _mode_flags(None, None, True, True, args), workloads)
     rows = []
     for algorithm in args.algorithms:
-        spec = SpeculativeConfig(SpecAlgorithm(algorithm), num_steps=args.steps, topk=args.topk)
-        if spec.algorithm is SpecAlgorithm.DRAFT:
-            spec = replace(spec, draft_model_path=args.draft or str(draft_dir(replace(base, model_path=None))))
-        for kind in ("repeating", "fresh"):
-            for streams in args.streams:
-                prompts = _prompts(tokenizer, kind, max(streams * args.rounds, args.min_requests), seed=streams)
-                runs = [
-                    _measure(replace(base, speculative=s, overlap=o), prompts, streams, args.max_new)
-                    for s, o in (
-                        (SpeculativeConfig(), True),
-                        (spec, False),
-                        (spec, True),
-                        (replace(spec, adaptive=False), True),
-                    )
-                ]
-                rows.append(Row(algorithm, kind, streams, *runs))
-                _print_row(rows[-1])
+        draft = None
+        if algorithm == "draft":
+            draft = Path(args.draft) if args.draft else draft_dir(EngineConfig(model_path=args.target))
+        spec = _runs(target, _mode_flags(algorithm, draft, False, True, args), workloads)
+        overlapped = _runs(target, _mode_flags(algorithm, draft, True, True, args), workloads)
+        fixed = _runs(target, _mode_flags(algorithm, draft, True, False, args), workloads)
+        for key in workloads:
+            rows.append(Row(algorithm, key[0], key[1], plain[key], spec[key], overlapped[key], fixed[key]))
+            _print_row(rows[-1])
     return rows
 
 
@@ -151,9 +170,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk")
     parser.add_argument("--rounds", type=int, default=2, help="batches of `streams` requests per measurement")
     parser.add_argument("--min-requests", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     print(f"target {args.target or 'embedded'}, draft {args.draft or 'embedded draft'}, greedy, {args.max_new} tokens")
     print(_HEADER, flush=True)
     bench(args)

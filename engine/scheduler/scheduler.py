@@ -69,7 +69,6 @@ class _Inflight:
     plan: StepPlan
     planned: tuple[int, ...]
     chunk_ends: tuple[int, ...]
-    num_decodes: int = 0
     draft_depth: int = 0  # the speculative depth the step's decodes were planned at
 
 
@@ -179,8 +178,9 @@ class Scheduler:
         """Plan the next step from current bookkeeping, or None when nothing can run now."""
         planned: list[tuple[StepEntry, int, int]] = []  # entry, output tokens it may produce, chunk end
         budget = self._config.chunk_size
-        num_decodes = sum(1 for r in self._running if r.state is RequestState.DECODING and not r.finishing)
-        self._depth = self._policy.batch_depth(num_decodes) if self._draft_nodes else 0
+        if self._draft_nodes:
+            decodes = [r.drafting for r in self._running if r.state is RequestState.DECODING and not r.finishing]
+            self._depth = self._policy.batch_depth(decodes)
         for req in self._running:
             item, used = self._plan_running(req, budget)
             if item is not None:
@@ -204,7 +204,6 @@ class Scheduler:
                 plan,
                 tuple(tokens for _, tokens, _ in planned),
                 tuple(end for _, _, end in planned),
-                num_decodes,
                 self._depth,
             )
         )
@@ -363,10 +362,15 @@ class Scheduler:
 
     def _observe_spec(self, inflight: _Inflight, result: StepResult) -> None:
         """What the step's depth paid: only pure decode steps say it (a prefill chunk's cost is not the depth's)."""
-        if not self._draft_nodes or any(e.is_prefill for e in inflight.plan.entries):
+        if not self._draft_nodes:
             return
-        tokens = sum(len(run.token_ids) for run in result.runs)
-        self._policy.observe_step(inflight.num_decodes, inflight.draft_depth, tokens, result.timing.done)
+        if any(e.is_prefill for e in inflight.plan.entries):
+            self._policy.tick()
+            return
+        forward_tokens = sum(1 + run.num_drafted for run in result.runs)
+        drafted = sum(1 for run in result.runs if run.num_drafted)
+        timing = result.timing
+        self._policy.observe_step(forward_tokens, inflight.draft_depth, drafted, timing.done, timing.draft_seconds)
 
     def finish_commit(self, pending: PendingCommit, grammar: Sequence[GrammarCommitOutcome]) -> CommitOutcome:
         """Phase 2: ``grammar`` answers ``pending.grammar`` in order. A run the grammar ended early is cut there

@@ -1,18 +1,26 @@
-"""The "never slower" rule: how many draft positions each decode gets, from what speculation has measurably paid.
+"""The "never slower" rule: how many draft positions each decode gets, from what speculation measurably costs and
+what it measurably gains.
 
-Two decisions, both from measurements the scheduler already receives:
+Cost, fitted online from every pure decode step the executor reports (``StepTiming``; a step with a prefill chunk
+says nothing about the depth), by exponentially weighted least squares:
 
-* **Per batch** (the verify cost): for each batch-size class (decodes in the step, by powers of two) the policy
-  keeps, for each draft depth it may use (0, 1, half the maximum, the maximum), an exponential average of the
-  tokens the step committed per second of the executor's time on it (``StepTiming.done``: drafting, the verify
-  forward, sampling). It plans the depth with the best average. Every depth is tried once per class, and the least
-  recently tried one again every ``explore_every`` steps of the class, so a change in load or acceptance is seen.
-  Depth 0 is plain decoding, so the rule converges on whichever is faster, at most one step in ``explore_every``
-  spent on another choice. Host time the scheduler spends per step is left out: it is paid per step, and
-  speculation makes fewer steps, so leaving it out only makes the rule more cautious.
-* **Per request** (the acceptance): a request whose drafts keep failing (an exponential average of accepted draft
-  tokens per verify below ``min_accepted``) stops drafting for a while (``pause`` steps, doubled on each relapse up
-  to ``max_pause``), then tries again; any accepted run resets its pause.
+    verify(T)      = a + b·T          executor time outside the proposer, T = tokens in the step's forward
+    draft(d, B)    = d·(c + e·B)      the proposer's time for depth d over B drafted requests
+
+Gain, per request: the probability ``α`` that a draft token is accepted, from its own verifies (accepted tokens
+against accepted plus first rejections, decayed, with the engine-wide rate as a prior of two tokens). A chain of
+depth d then yields ``E(d) = 1 + α + ... + α^d`` tokens per step.
+
+Each step the scheduler plans the depth d (0 .. the configured maximum) that maximises the step's tokens per
+second, ``Σ E_r(d) / (verify(B + d·B_s) + draft(d, B_s))`` over its B decodes (B_s of them drafting). Depth 0 is
+plain decoding, so the rule picks speculation only where the measured model says it is faster. To keep the
+model honest it plans the opposite choice (0 when drafting, the maximum when not) once every ``explore_every``
+steps, and alternates the full depth and none until the cost model has seen two different step sizes. The
+scheduler's own host time per step is left out: speculation makes fewer steps, so leaving it out only makes the
+rule more cautious.
+
+A request whose acceptance falls below ``min_alpha`` stops drafting for ``pause`` steps (doubled on each relapse
+up to ``max_pause``), then tries again.
 """
 
 from __future__ import annotations
@@ -24,95 +32,152 @@ from engine.config import SpeculativeConfig
 
 @dataclass(frozen=True)
 class SpecPolicyConfig:
-    explore_every: int = 32
-    smoothing: float = 0.2  # weight of the newest step in the averages
-    min_accepted: float = 0.25  # accepted draft tokens per verify below which a request pauses drafting
+    explore_every: int = 16
+    forgetting: float = 0.97  # weight kept by past observations per new one (cost fits and acceptances)
+    prior_tokens: float = 2.0  # strength of the engine-wide acceptance as a request's prior
+    min_alpha: float = 0.1
     pause: int = 8
     max_pause: int = 256
 
 
-@dataclass
-class _Arm:
-    rate: float = 0.0  # tokens per executor second
-    tries: int = 0
-    last_step: int = -1
+class _LinearFit:
+    """y ≈ w·x for two features, by exponentially weighted least squares (normal equations, a 2x2 solve)."""
 
+    def __init__(self, forgetting: float) -> None:
+        self._lam = forgetting
+        self._xx = [0.0, 0.0, 0.0]  # Σ x0², Σ x0·x1, Σ x1²
+        self._xy = [0.0, 0.0]
+        self.count = 0
 
-@dataclass
-class _Class:
-    arms: dict[int, _Arm]
-    steps: int = 0
+    def add(self, x0: float, x1: float, y: float) -> None:
+        lam = self._lam
+        xx, xy = self._xx, self._xy
+        xx[0] = lam * xx[0] + x0 * x0
+        xx[1] = lam * xx[1] + x0 * x1
+        xx[2] = lam * xx[2] + x1 * x1
+        xy[0] = lam * xy[0] + x0 * y
+        xy[1] = lam * xy[1] + x1 * y
+        self.count += 1
+
+    def weights(self) -> tuple[float, float] | None:
+        """The fitted weights, or None while the features do not yet tell them apart."""
+        (s00, s01, s11), (r0, r1) = self._xx, self._xy
+        det = s00 * s11 - s01 * s01
+        if det <= 1e-9 * max(s00 * s11, 1e-30):
+            return None
+        return (s11 * r0 - s01 * r1) / det, (s00 * r1 - s01 * r0) / det
+
+    def first_only(self) -> tuple[float, float] | None:
+        """The weights with the second feature's left out (0): all one can say while the two are collinear."""
+        s00, r0 = self._xx[0], self._xy[0]
+        return (r0 / s00, 0.0) if s00 > 0 else None
 
 
 @dataclass
 class RequestSpec:
-    """One request's drafting state: its acceptance average and, while paused, the step it may draft again."""
+    """One request's drafting record: decayed accepted tokens and trials (accepted plus first rejections), and while
+    paused the step it may draft again."""
 
-    accepted: float = 1.0  # optimistic: a new request drafts
+    accepted: float = 0.0
+    trials: float = 0.0
     paused_until: int = 0
     pause: int = 0
 
 
 @dataclass
 class SpecPolicy:
-    """Chooses draft depths; the scheduler tells it what each step committed and how long the executor took."""
+    """Chooses draft depths; the scheduler reports every committed step and every verified run."""
 
     spec: SpeculativeConfig
     config: SpecPolicyConfig = SpecPolicyConfig()
-    _classes: dict[int, _Class] = field(default_factory=dict)
+    _verify: _LinearFit = field(init=False)
+    _draft: _LinearFit = field(init=False)
+    _accepted: float = 0.0
+    _trials: float = 0.0
     _step: int = 0
+    _sizes: set[int] = field(default_factory=set)
 
-    @property
-    def depths(self) -> tuple[int, ...]:
-        top = self.spec.draft_nodes
-        return tuple(sorted({0, min(1, top), top // 2, top}))
+    def __post_init__(self) -> None:
+        self._verify = _LinearFit(self.config.forgetting)
+        self._draft = _LinearFit(self.config.forgetting)
 
-    def batch_depth(self, num_decodes: int) -> int:
-        """The draft depth for a step with ``num_decodes`` decodes."""
+    # ---------------------------------------------------------------- choosing
+
+    def batch_depth(self, requests: list[RequestSpec]) -> int:
+        """The draft depth for a step whose decodes are ``requests``."""
         top = self.spec.draft_nodes
-        if not self.spec.adaptive or top == 0 or num_decodes == 0:
+        if not self.spec.adaptive or top == 0 or not requests:
             return top
-        cls = self._class(num_decodes)
-        cls.steps += 1
-        untried = [d for d, arm in cls.arms.items() if arm.tries == 0]
-        if untried:
-            return untried[0]
-        if cls.steps % self.config.explore_every == 0:
-            return min(cls.arms, key=lambda d: cls.arms[d].last_step)
-        return max(cls.arms, key=lambda d: (cls.arms[d].rate, -d))
+        best = self._best_depth(requests)
+        if best is None:
+            return 0 if self._step % 2 else top  # learning: the cost model needs two step sizes to mean anything
+        if self._step % self.config.explore_every == self.config.explore_every - 1:
+            return top if best == 0 else 0
+        return best
 
     def request_depth(self, req: RequestSpec, batch_depth: int) -> int:
         if not self.spec.adaptive:
             return batch_depth
         return 0 if self._step < req.paused_until else batch_depth
 
-    def observe_step(self, num_decodes: int, depth: int, tokens: int, seconds: float) -> None:
-        """A committed step with ``num_decodes`` decodes planned at ``depth`` gave ``tokens`` in ``seconds``."""
+    def expected_tokens(self, req: RequestSpec, depth: int) -> float:
+        """Tokens a chain verify of ``depth`` draft tokens is expected to give ``req``: 1 + α + ... + α^depth."""
+        alpha = self.alpha(req)
+        return float(sum(alpha**i for i in range(depth + 1)))
+
+    def alpha(self, req: RequestSpec) -> float:
+        prior = self._accepted / self._trials if self._trials else 0.5
+        k = self.config.prior_tokens
+        return (req.accepted + k * prior) / (req.trials + k)
+
+    def _best_depth(self, requests: list[RequestSpec]) -> int | None:
+        verify, draft = self._verify.weights(), self._draft.weights() or self._draft.first_only()
+        if verify is None or len(self._sizes) < 2:
+            return None
+        a, b = verify
+        c, e = draft if draft is not None else (0.0, 0.0)
+        alphas = [self.alpha(r) for r in requests if self._step >= r.paused_until]
+        n, drafting = len(requests), len(alphas)
+        powers = [1.0] * drafting  # α_r^d
+        tokens = float(n)  # at depth 0 every request gives its one sampled token
+        best, best_rate = 0, tokens / (a + b * n) if a + b * n > 0 else 0.0
+        for d in range(1, self.spec.draft_nodes + 1):
+            powers = [p * alpha for p, alpha in zip(powers, alphas, strict=True)]
+            tokens += sum(powers)
+            seconds = a + b * (n + d * drafting) + d * (c + e * drafting)
+            if seconds > 0 and tokens / seconds > best_rate:
+                best, best_rate = d, tokens / seconds
+        return best
+
+    # ---------------------------------------------------------------- observing
+
+    def observe_step(self, forward_tokens: int, depth: int, drafted: int, seconds: float, draft_seconds: float) -> None:
+        """A committed pure decode step: ``forward_tokens`` through the model, ``drafted`` requests drafted at
+        ``depth``; the executor took ``seconds``, ``draft_seconds`` of them in the proposer."""
         self._step += 1
-        if not self.spec.adaptive or num_decodes == 0 or seconds <= 0.0:
+        if not self.spec.adaptive or seconds <= 0.0:
             return
-        arm = self._class(num_decodes).arms.get(depth)
-        if arm is None:
-            return
-        rate = tokens / seconds
-        arm.rate = rate if arm.tries == 0 else arm.rate + self.config.smoothing * (rate - arm.rate)
-        arm.tries += 1
-        arm.last_step = self._step
+        self._verify.add(1.0, float(forward_tokens), seconds - draft_seconds)
+        if len(self._sizes) < 2:
+            self._sizes.add(forward_tokens)
+        if depth and drafted:
+            self._draft.add(float(depth), float(depth * drafted), draft_seconds)
+
+    def tick(self) -> None:
+        """A step that says nothing about the cost (a prefill chunk in it) still counts for pauses and exploring."""
+        self._step += 1
 
     def observe_request(self, req: RequestSpec, drafted: int, accepted: int) -> None:
         if not drafted:
             return
-        req.accepted += self.config.smoothing * (accepted - req.accepted)
+        lam = self.config.forgetting
+        trials = accepted + (1 if accepted < drafted else 0)
+        req.accepted = lam * req.accepted + accepted
+        req.trials = lam * req.trials + trials
+        self._accepted = lam * self._accepted + accepted
+        self._trials = lam * self._trials + trials
         if accepted:
             req.pause = 0
-        if req.accepted < self.config.min_accepted:
+        elif self.alpha(req) < self.config.min_alpha:
             req.pause = min(max(req.pause * 2, self.config.pause), self.config.max_pause)
             req.paused_until = self._step + req.pause
-            req.accepted = self.config.min_accepted  # a fresh start when the pause ends
-
-    def _class(self, num_decodes: int) -> _Class:
-        key = num_decodes.bit_length()
-        cls = self._classes.get(key)
-        if cls is None:
-            cls = self._classes[key] = _Class({d: _Arm() for d in self.depths})
-        return cls

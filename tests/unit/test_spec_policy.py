@@ -1,67 +1,129 @@
-"""The "never slower" rule (engine/scheduler/spec_policy.py) on measured step rates and acceptances."""
+"""The "never slower" rule (engine/scheduler/spec_policy.py): its cost fit, its choice, its exploration and pauses.
+
+The steps are simulated: a seeded stream of verifies where each draft token is accepted with a set probability,
+and an executor whose step time is a set function of the step's size. The policy sees only what the scheduler
+would report (each run's drafted and accepted tokens, each step's executor and proposer times)."""
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
+
+import pytest
+
 from engine.config import SpecAlgorithm, SpeculativeConfig
-from engine.scheduler.spec_policy import RequestSpec, SpecPolicy, SpecPolicyConfig
+from engine.scheduler.spec_policy import RequestSpec, SpecPolicy, SpecPolicyConfig, _LinearFit
 
 SPEC = SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=4)
 
 
-def _drive(policy: SpecPolicy, decodes: int, rate_of: dict[int, float], steps: int) -> list[int]:
-    """Run ``steps`` steps where depth d commits ``rate_of[d]`` tokens per second; the depths chosen."""
+@dataclass(frozen=True)
+class Machine:
+    """Step time = fixed + per_token * T (the verify) + depth * (draft_fixed + draft_per_request * B)."""
+
+    fixed: float
+    per_token: float
+    draft_fixed: float
+    draft_per_request: float
+
+    def times(self, tokens: int, depth: int, drafted: int) -> tuple[float, float]:
+        draft = depth * (self.draft_fixed + self.draft_per_request * drafted) if drafted else 0.0
+        return self.fixed + self.per_token * tokens + draft, draft
+
+
+def _drive(policy: SpecPolicy, machine: Machine, batch: int, alpha: float, steps: int) -> list[int]:
+    """``steps`` decode steps of ``batch`` requests whose draft tokens are each accepted with ``alpha``."""
+    rng = random.Random(7)
+    reqs = [RequestSpec() for _ in range(batch)]
     chosen = []
     for _ in range(steps):
-        depth = policy.batch_depth(decodes)
+        depth = policy.batch_depth(reqs)
         chosen.append(depth)
-        policy.observe_step(decodes, depth, tokens=int(rate_of[depth]), seconds=1.0)
+        tokens = drafted = 0
+        for req in reqs:
+            d = policy.request_depth(req, depth)
+            accepted = 0
+            while accepted < d and rng.random() < alpha:
+                accepted += 1
+            policy.observe_request(req, d, accepted)
+            tokens += 1 + d
+            drafted += d > 0
+        seconds, draft_seconds = machine.times(tokens, depth, drafted)
+        policy.observe_step(tokens, depth, drafted, seconds, draft_seconds)
     return chosen
 
 
-def test_the_batch_depth_converges_on_the_fastest_and_keeps_exploring() -> None:
-    """Each depth is tried once, then the fastest is planned, the others tried again once per explore_every steps."""
-    policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16))
-    assert policy.depths == (0, 1, 2, 4)
-    chosen = _drive(policy, 8, {0: 100, 1: 150, 2: 180, 4: 120}, 64)
-    assert sorted(chosen[:4]) == [0, 1, 2, 4]
-    assert chosen[4:].count(2) >= 56 and set(chosen[4:]) <= {0, 1, 2, 4}
+def test_the_linear_fit_recovers_its_weights() -> None:
+    fit = _LinearFit(0.97)
+    assert fit.weights() is None
+    for t in (3, 3, 3):
+        fit.add(1.0, t, 0.5 + 0.1 * t)
+    assert fit.weights() is None  # one step size: the slope is unknown
+    for t in (5, 8, 13):
+        fit.add(1.0, t, 0.5 + 0.1 * t)
+    weights = fit.weights()
+    assert weights is not None and weights == pytest.approx((0.5, 0.1))
 
 
-def test_when_speculation_does_not_pay_the_batch_decodes_plainly() -> None:
-    """A large batch where every verify costs more than it gains: the rule settles on depth 0 (never slower)."""
-    policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=32))
-    chosen = _drive(policy, 32, {0: 1000, 1: 900, 2: 800, 4: 600}, 96)
-    assert chosen[4:].count(0) >= 88
-
-
-def test_batch_size_classes_are_measured_apart() -> None:
+def test_one_stream_with_a_good_draft_drafts_the_full_depth() -> None:
+    """Batch 1: the step's fixed cost dominates, a token more in the verify is almost free: speculation pays."""
     policy = SpecPolicy(SPEC)
-    _drive(policy, 1, {0: 100, 1: 150, 2: 200, 4: 300}, 20)
-    _drive(policy, 32, {0: 1000, 1: 900, 2: 800, 4: 600}, 20)
-    assert policy.batch_depth(1) == 4 and policy.batch_depth(32) == 0
+    machine = Machine(fixed=2.0, per_token=0.05, draft_fixed=0.3, draft_per_request=0.01)
+    chosen = _drive(policy, machine, batch=1, alpha=0.8, steps=200)
+    assert chosen[-100:].count(4) >= 90
+
+
+def test_a_large_batch_where_verifying_costs_more_than_it_gains_decodes_plainly() -> None:
+    """Batch 32 and a per-token cost that makes every draft token expensive: the rule settles on depth 0 (never
+    slower), trying the full depth only once every explore_every steps."""
+    policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16))
+    machine = Machine(fixed=2.0, per_token=0.5, draft_fixed=0.3, draft_per_request=0.05)
+    chosen = _drive(policy, machine, batch=32, alpha=0.5, steps=200)
+    assert chosen[-160:].count(0) == 150 and chosen[-160:].count(4) == 10
+
+
+def test_poor_acceptance_turns_speculation_down() -> None:
+    policy = SpecPolicy(SPEC)
+    machine = Machine(fixed=2.0, per_token=0.2, draft_fixed=0.5, draft_per_request=0.05)
+    chosen = _drive(policy, machine, batch=4, alpha=0.05, steps=200)
+    assert chosen[-100:].count(0) >= 90
+
+
+def test_an_intermediate_depth_when_acceptance_is_middling() -> None:
+    """The expected tokens 1 + α + ... + α^d grow ever slower while the cost grows linearly: with α = 0.5 and a real
+    per-depth draft cost, one or two draft tokens beat four."""
+    policy = SpecPolicy(SPEC)
+    machine = Machine(fixed=1.0, per_token=0.05, draft_fixed=0.4, draft_per_request=0.0)
+    chosen = _drive(policy, machine, batch=1, alpha=0.5, steps=300)
+    tail = chosen[-100:]
+    assert max(set(tail), key=tail.count) in (1, 2)
 
 
 def test_a_request_whose_drafts_fail_pauses_then_tries_again() -> None:
-    """Accepted tokens per verify averaging below min_accepted pause the request's drafting for `pause` steps,
-    doubled on a relapse; an accepted draft resets the pause."""
-    policy = SpecPolicy(SPEC, SpecPolicyConfig(min_accepted=0.5, pause=4, smoothing=0.5))
+    """An acceptance below min_alpha (0.35 here; α mixes the request's record with the engine-wide rate) pauses the
+    request's drafting for `pause` steps, doubled on a relapse; an accepted draft resets the pause."""
+    policy = SpecPolicy(SPEC, SpecPolicyConfig(min_alpha=0.35, pause=4, prior_tokens=1.0, forgetting=1.0))
+    good = RequestSpec()
+    for _ in range(4):
+        policy.observe_request(good, drafted=4, accepted=4)  # the engine-wide rate: 16 of 16
     req = RequestSpec()
-    policy.observe_request(req, drafted=4, accepted=0)  # 1.0 -> 0.5: not below
+    policy.observe_request(req, drafted=4, accepted=0)  # α = (0 + 1 * 16/17) / (1 + 1) = 0.47: drafts on
     assert policy.request_depth(req, 4) == 4
-    policy.observe_request(req, drafted=4, accepted=0)  # 0.25: paused for 4 steps
+    policy.observe_request(req, drafted=4, accepted=0)  # below: paused for 4 steps
     assert policy.request_depth(req, 4) == 0
     for _ in range(4):
-        policy.observe_step(0, 0, 0, 0.0)  # steps go by
+        policy.tick()
     assert policy.request_depth(req, 4) == 4
     policy.observe_request(req, drafted=4, accepted=0)  # relapse: paused for 8
     for _ in range(7):
-        policy.observe_step(0, 0, 0, 0.0)
+        policy.tick()
     assert policy.request_depth(req, 4) == 0
-    policy.observe_step(0, 0, 0, 0.0)
+    policy.tick()
     policy.observe_request(req, drafted=4, accepted=3)
     assert req.pause == 0 and policy.request_depth(req, 4) == 4
 
 
 def test_adaptive_off_always_drafts_the_full_depth() -> None:
     policy = SpecPolicy(SpeculativeConfig(SpecAlgorithm.NGRAM, num_steps=3, adaptive=False))
-    assert _drive(policy, 8, {0: 1000, 1: 1, 3: 1}, 10) == [3] * 10
+    machine = Machine(fixed=1.0, per_token=5.0, draft_fixed=0.0, draft_per_request=0.0)
+    assert _drive(policy, machine, batch=8, alpha=0.0, steps=10) == [3] * 10
