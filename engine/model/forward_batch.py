@@ -81,9 +81,10 @@ class SeqInput:
 
 @dataclass(frozen=True, eq=False)
 class DecodeGroup:
-    """Every single-token sequence of the batch, attended together in one call.
+    """Every decode-attended query of the batch (single tokens, and short runs after cached context, one query per
+    token), attended together in one call.
 
-    Sequence b's keys are positions ``0 .. kv_lens[b]-1``, found through its page table row
+    Query b's keys are positions ``0 .. kv_lens[b]-1``, found through its sequence's page table row
     ``page_tables[b]`` (padded with page 0 past its last page). Attention reads the pool by page, never by
     token: the native kernel walks the table in place, the torch path gathers whole pages.
     """
@@ -190,14 +191,15 @@ class ForwardBatch:
             raise ValueError(f"page_size must be positive, got {page_size}")
         layout = _HostLayout.of(seqs, page_size)
         positions = layout.positions()  # [T] KV positions (layout slots)
+        decode_runs = _decode_runs(layout, seqs)  # [S]
         rows_page = layout.page_tables[layout.seq_of_row, positions // page_size]  # [T]
         return cls(
             input_ids=_to(_flat_ints((seq.token_ids for seq in seqs), layout.num_tokens), device),  # [T]
             positions=_to(_rotary_positions(seqs, layout, positions), device),  # [T]
             write_slots=_to(rows_page * page_size + positions % page_size, device),  # [T]
             logits_rows=_to(layout.logits_rows([seq.logits for seq in seqs]), device),  # [R]
-            decode=_decode_group(layout, device),
-            prefills=_prefill_chunks(layout, device, seqs),
+            decode=_decode_group(layout, device, decode_runs),
+            prefills=_prefill_chunks(layout, device, seqs, decode_runs),
             page_size=page_size,
             max_position=int(layout.ends.max()) - 1,
             max_page=int(layout.page_tables.max()),
@@ -292,18 +294,35 @@ def _to(array: _Ints, device: torch.device | str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
-def _decode_group(layout: _HostLayout, device: torch.device | str) -> DecodeGroup | None:
-    members = np.flatnonzero(layout.lens == 1)  # [B]
-    if members.size == 0:
+# A short run after cached context (a speculative verify's chain, a small last chunk) is attended as that many
+# decode queries, query j seeing positions [0, start + j]: the same causal attention, through the paged decode
+# kernel that reads K/V in place, instead of gathering the context for one SDPA call.
+MAX_DECODE_RUN = 8
+
+
+def _decode_runs(layout: _HostLayout, seqs: Sequence[SeqInput]) -> npt.NDArray[np.bool_]:
+    """[S] which sequences are attended as decode queries: single tokens, and short chains after cached context."""
+    short = (layout.lens == 1) | ((layout.lens <= MAX_DECODE_RUN) & (layout.starts > 0))  # [S]
+    trees = np.fromiter((seq.tree_parents is not None for seq in seqs), dtype=np.bool_, count=len(seqs))  # [S]
+    return short & ~trees  # [S]
+
+
+def _decode_group(
+    layout: _HostLayout, device: torch.device | str, members: npt.NDArray[np.bool_]
+) -> DecodeGroup | None:
+    picked = np.flatnonzero(members)  # [M] decode-attended sequences
+    if picked.size == 0:
         return None
-    width = int(layout.page_counts[members].max())
-    covers_batch = members.size == layout.lens.size
+    lens = layout.lens[picked]  # [M]
+    seq = np.repeat(picked, lens)  # [B] sequence of each query
+    offset = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)  # [B]
+    width = int(layout.page_counts[picked].max())
     return DecodeGroup(
-        rows=_to(layout.row_starts[members], device),  # [B]
-        page_tables=_to(layout.page_tables[members, :width], device),  # [B, P]
-        kv_lens=_to(layout.ends[members], device),  # [B]
+        rows=_to(layout.row_starts[seq] + offset, device),  # [B]
+        page_tables=_to(layout.page_tables[seq, :width], device),  # [B, P]
+        kv_lens=_to(layout.starts[seq] + offset + 1, device),  # [B] query j of a run sees positions 0 .. start + j
         page_size=layout.page_size,
-        covers_batch=covers_batch,
+        covers_batch=bool(members.all()),
     )
 
 
@@ -320,10 +339,10 @@ def _rotary_positions(seqs: Sequence[SeqInput], layout: _HostLayout, positions: 
 
 
 def _prefill_chunks(
-    layout: _HostLayout, device: torch.device | str, seqs: Sequence[SeqInput]
+    layout: _HostLayout, device: torch.device | str, seqs: Sequence[SeqInput], decode_runs: npt.NDArray[np.bool_]
 ) -> tuple[PrefillChunk, ...]:
     chunks = []
-    for i in np.flatnonzero(layout.lens > 1).tolist():
+    for i in np.flatnonzero(~decode_runs).tolist():
         start, end = int(layout.starts[i]), int(layout.ends[i])
         pages = mask = None
         if start > 0:

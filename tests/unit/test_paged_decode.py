@@ -229,28 +229,31 @@ def test_failed_compile_warns_and_falls_back(
 
 
 def test_forward_batch_indices_for_a_mixed_batch() -> None:
-    """The page-level indices attention reads: decode tables, lengths and rows; chunk pages; logits rows."""
+    """The page-level indices attention reads: decode tables, lengths and rows (a short run after cached context is
+    one decode query per token, each seeing the positions up to its own); chunk pages; logits rows."""
     seqs = [
         SeqInput([7], 5, [4, 9], LogitsMode.LAST),  # decode at position 5: pages 4, 9
-        SeqInput([1, 2, 3], 2, [6, 2], LogitsMode.ALL),  # chunk writing positions 2..4
+        SeqInput([1, 2, 3], 2, [6, 2], LogitsMode.ALL),  # a short run writing positions 2..4: three decode queries
         SeqInput([8], 0, [3], LogitsMode.LAST),  # decode at position 0
         SeqInput([5, 6], 0, [1], LogitsMode.NONE),  # fresh prefill: no gather
+        SeqInput(list(range(20, 29)), 3, [0, 5, 7], LogitsMode.LAST),  # a chunk longer than MAX_DECODE_RUN
     ]
     batch = ForwardBatch.build(seqs, 4, "cpu")
-    assert batch.input_ids.tolist() == [7, 1, 2, 3, 8, 5, 6]
-    assert batch.positions.tolist() == [5, 2, 3, 4, 0, 0, 1]
-    assert batch.write_slots.tolist() == [37, 26, 27, 8, 12, 4, 5]
-    assert batch.logits_rows.tolist() == [0, 1, 2, 3, 4]
+    assert batch.input_ids.tolist() == [7, 1, 2, 3, 8, 5, 6, *range(20, 29)]
+    assert batch.positions.tolist() == [5, 2, 3, 4, 0, 0, 1, *range(3, 12)]
+    assert batch.write_slots.tolist()[:7] == [37, 26, 27, 8, 12, 4, 5]
+    assert batch.logits_rows.tolist() == [0, 1, 2, 3, 4, 15]
     group = batch.decode
     assert group is not None and not group.covers_batch
-    assert group.rows.tolist() == [0, 4] and group.kv_lens.tolist() == [6, 1]
-    assert group.page_tables.tolist() == [[4, 9], [3, 0]] and group.padded_len == 8
-    assert group.mask(None)[:, 0, 0].tolist() == [[True] * 6 + [False] * 2, [True] + [False] * 7]
+    assert group.rows.tolist() == [0, 1, 2, 3, 4] and group.kv_lens.tolist() == [6, 3, 4, 5, 1]
+    assert group.page_tables.tolist() == [[4, 9], [6, 2], [6, 2], [6, 2], [3, 0]] and group.padded_len == 8
+    assert group.mask(None)[:, 0, 0].tolist()[0] == [True] * 6 + [False] * 2
+    assert group.mask(None)[:, 0, 0].tolist()[4] == [True] + [False] * 7
     assert group.mask(2)[0, 0, 0].tolist() == [False] * 4 + [True] * 2 + [False] * 2
-    chunk, fresh = batch.prefills
-    assert chunk.pages is not None and chunk.pages.tolist() == [6, 2] and chunk.context_len == 5
+    fresh, chunk = batch.prefills
     assert fresh.pages is None and fresh.mask is None
-    assert (batch.max_position, batch.max_page) == (5, 9)
+    assert chunk.pages is not None and chunk.pages.tolist() == [0, 5, 7] and chunk.context_len == 12
+    assert (batch.max_position, batch.max_page) == (11, 9)
 
 
 def test_forward_batch_all_decodes_cover_the_batch() -> None:
