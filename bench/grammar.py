@@ -60,6 +60,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from engine.config import EngineConfig
 from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.executor.masks import PendingMasks, StepMasks
+from engine.executor.proposer import Draft
 from engine.executor.runner import ModelRunner, ResolvedEntry
 from engine.finish import FinishReason
 from engine.grammar.backend import LocalGrammar
@@ -232,8 +233,10 @@ class TimedRunner(ModelRunner):
 
     costs: GrammarCosts
 
-    def _start_masks(self, sampling: list[ResolvedEntry]) -> PendingMasks | None:
-        pending = super()._start_masks(sampling)
+    def _start_masks(
+        self, sampling: list[ResolvedEntry], drafts: list[Draft], first_row: list[int]
+    ) -> PendingMasks | None:
+        pending = super()._start_masks(sampling, drafts, first_row)
         return _TimedPendingMasks(pending, self.costs) if pending is not None else None
 
 

@@ -14,20 +14,32 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.grammar_calls import FencingBackend, GrammarBackend, MaskEntry, MaskRefusals, MaskWait
+from engine.grammar_calls import DraftTree, FencingBackend, GrammarBackend, MaskEntry, MaskRefusals, MaskWait
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
+
+
+@dataclass(frozen=True)
+class MaskRequest:
+    """One constrained entry's masks: from logits row ``row``, its request's grammar at ``ordinal`` (the ordinal of
+    the token the row samples, as the executor knows it), one row, or with ``draft`` one row per node after the
+    first (C5: computed by pure traversal from the state at ``ordinal``)."""
+
+    row: int
+    request_id: str
+    ordinal: int
+    draft: DraftTree | None = None
 
 
 @dataclass(frozen=True)
 class StepMasks:
     """The bitmask for every sampling row of a step, and the rows whose mask could not be had."""
 
-    bitmask: torch.Tensor | None  # [B, W] int32, xgrammar layout; None when no row is constrained
-    errors: dict[int, str]  # sampling row -> why it has no mask (the request ends; the others go on)
+    bitmask: torch.Tensor | None  # [N, W] int32, xgrammar layout, a row per logits row; None: nothing constrained
+    errors: dict[int, str]  # an entry's first row -> why it has no mask (the request ends; the others go on)
 
     def rows(self, picked: list[int]) -> StepMasks:
-        """The masks of sampling rows ``picked``, renumbered 0, 1, ... in that order."""
+        """The masks of rows ``picked`` (one-row entries), renumbered 0, 1, ... in that order."""
         bitmask = self.bitmask
         if bitmask is not None:
             bitmask = bitmask.index_select(0, torch.tensor(picked, dtype=torch.long, device=bitmask.device))  # [P, W]
@@ -84,13 +96,13 @@ class MaskFetcher:
         self._wait_s = wait_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-masks")
 
-    def start(self, constrained: Sequence[tuple[int, str, int]], num_rows: int) -> PendingMasks | None:
-        """``constrained``: (sampling row, request id, ordinal) of each constrained row of a step with ``num_rows``
-        sampling rows; the ordinal is the request's, as the executor knows it. None when no row is constrained."""
+    def start(self, constrained: Sequence[MaskRequest], num_rows: int) -> PendingMasks | None:
+        """``constrained``: each constrained entry of a step whose sampling entries have ``num_rows`` logits rows in
+        all. None when no entry is constrained."""
         if not constrained:
             return None
-        rows = [row for row, _, _ in constrained]
-        entries = [MaskEntry(request_id, ordinal) for _, request_id, ordinal in constrained]
+        rows = [c.row for c in constrained]
+        entries = [MaskEntry(c.request_id, c.ordinal, c.draft) for c in constrained]
         # Rows without a grammar allow everything; the fetch writes each constrained row in place, where the
         # sampler reads it, so no per-row answer is built or copied.
         # A normal tensor even when the runner steps under inference mode: the fetch thread writes it in place.

@@ -19,7 +19,7 @@ import torch
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.errors import ProtocolError
-from engine.executor.masks import MaskFetcher, PendingMasks, StepMasks
+from engine.executor.masks import MaskFetcher, MaskRequest, PendingMasks, StepMasks
 from engine.executor.proposer import NO_DRAFT, Draft, DraftRequest, Proposer
 from engine.executor.proposers import load_proposer
 from engine.executor.sampler import Sampler, SamplingState
@@ -187,9 +187,11 @@ class ModelRunner:
         resolved = self._resolve(plan)
         drafts = self._propose(resolved)
         sampling = [i for i, r in enumerate(resolved) if r.entry.sample]
-        # C4, delayed sampling: the fenced masks are fetched while the forward runs; only sampling waits.
+        first_row = list(itertools.accumulate((1 + drafts.drafts[i].num_nodes for i in sampling), initial=0))
+        # C4, delayed sampling (delayed verify): the fenced masks, a draft's included, are fetched while the forward
+        # runs; only sampling waits.
         masks_started = time.perf_counter() - started
-        pending = self._start_masks([resolved[i] for i in sampling])
+        pending = self._start_masks([resolved[i] for i in sampling], [drafts.drafts[i] for i in sampling], first_row)
         try:
             seqs = [_seq_input(r, d) for r, d in zip(resolved, drafts.drafts, strict=True)]
             batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
@@ -203,7 +205,7 @@ class ModelRunner:
         forward_cpu = time.thread_time() - cpu
         forward_done = time.perf_counter() - started
         masks = pending.result(self._device) if pending is not None else StepMasks(None, {})
-        runs, kept = self._sample(logits, resolved, sampling, drafts, masks)
+        runs, kept = self._sample(logits, resolved, sampling, first_row, drafts, masks)
         self._advance(resolved, kept)
         timing = StepTiming(
             masks_started if pending is not None else None,
@@ -293,10 +295,8 @@ class ModelRunner:
 
     def _propose(self, resolved: list[ResolvedEntry]) -> StepDrafts:
         """Drafts for the entries with draft positions, in one call to the proposer (it batches across requests).
-
-        A constrained entry gets none for now: verifying a draft under a grammar needs a mask for every node at its
-        own ordinal (C5), which is the grammar half of speculation."""
-        wanted = [i for i, r in enumerate(resolved) if r.entry.num_draft and not r.entry.constrained]
+        A constrained entry's draft is verified under a mask for each of its nodes (C3, C5)."""
+        wanted = [i for i, r in enumerate(resolved) if r.entry.num_draft]
         drafts = [NO_DRAFT] * len(resolved)
         if not wanted or self._proposer is None:
             return StepDrafts(drafts)
@@ -312,20 +312,26 @@ class ModelRunner:
         depth = min(self._spec.num_steps, nodes)
         return DraftRequest(r.entry.slot, buf.tokens, buf.seq_len, r.pages, nodes, depth, self._spec.topk, buf.sampling)
 
-    def _start_masks(self, sampling: list[ResolvedEntry]) -> PendingMasks | None:
-        rows = [(i, r.entry.request_id, r.buffer.sampling.num_output) for i, r in enumerate(sampling)]
-        constrained = [row for row, r in zip(rows, sampling, strict=True) if r.entry.constrained]
+    def _start_masks(
+        self, sampling: list[ResolvedEntry], drafts: list[Draft], first_row: list[int]
+    ) -> PendingMasks | None:
+        constrained = [
+            MaskRequest(row, r.entry.request_id, r.buffer.sampling.num_output, d.tree if d.num_nodes else None)
+            for r, d, row in zip(sampling, drafts, first_row, strict=False)
+            if r.entry.constrained
+        ]
         if self._masks is None:
             if constrained:
                 raise ProtocolError("a constrained entry reached an executor started without a grammar service")
             return None
-        return self._masks.start(constrained, len(sampling))
+        return self._masks.start(constrained, first_row[-1])
 
     def _sample(
         self,
         logits: torch.Tensor,
         resolved: list[ResolvedEntry],
         sampling: list[int],
+        first_row: list[int],
         drafts: StepDrafts,
         masks: StepMasks,
     ) -> tuple[tuple[SampledRun, ...], list[int]]:
@@ -336,7 +342,6 @@ class ModelRunner:
             return (), kept
         if not drafts.any:  # plain decoding, the common case: one row per sampling entry
             return self._sample_plain(logits, [resolved[i] for i in sampling], masks), kept
-        first_row = list(itertools.accumulate((1 + drafts.drafts[i].num_nodes for i in sampling), initial=0))
         plain = [k for k, i in enumerate(sampling) if not drafts.drafts[i].num_nodes]
         speculative = [k for k, i in enumerate(sampling) if drafts.drafts[i].num_nodes]
         by_entry: dict[int, SampledRun] = {}
@@ -344,10 +349,17 @@ class ModelRunner:
         if plain:
             rows = torch.tensor([first_row[k] for k in plain], dtype=torch.long, device=logits.device)  # [P]
             entries = [resolved[sampling[k]] for k in plain]
-            plain_runs = self._sample_plain(logits.index_select(0, rows), entries, masks.rows(plain))
+            plain_masks = masks.rows([first_row[k] for k in plain])
+            plain_runs = self._sample_plain(logits.index_select(0, rows), entries, plain_masks)
             by_entry.update(zip((sampling[k] for k in plain), plain_runs, strict=True))
+        unmasked = [k for k in speculative if first_row[k] in masks.errors]
+        for k in unmasked:  # no fenced masks for its draft (C3): that request ends, the others go on
+            by_entry[sampling[k]] = SampledRun(
+                resolved[sampling[k]].entry.request_id, 0, (), error=masks.errors[first_row[k]]
+            )
+        speculative = [k for k in speculative if first_row[k] not in masks.errors]
         items = [_verify_item(resolved[sampling[k]], drafts.drafts[sampling[k]], first_row[k]) for k in speculative]
-        verdicts = self._verifier.verify(logits, items)
+        verdicts = self._verifier.verify(logits, items, masks.bitmask)
         for k, verdict in zip(speculative, verdicts, strict=True):
             i = sampling[k]
             by_entry[i] = self._verified_run(resolved[i], drafts.drafts[i], verdict)

@@ -89,11 +89,15 @@ class Verifier:
         self._sampler = sampler
         self._vocab_size = sampler.vocab_size
 
-    def verify(self, logits: torch.Tensor, items: Sequence[VerifyItem]) -> list[Verdict]:
-        """``logits`` [N, >= V]: rows as the items' ``row`` say."""
+    def verify(
+        self, logits: torch.Tensor, items: Sequence[VerifyItem], bitmask: torch.Tensor | None = None
+    ) -> list[Verdict]:
+        """``logits`` [N, >= V]: rows as the items' ``row`` say. ``bitmask`` [N, W] (constrained requests): each row's
+        grammar mask, a node's being the grammar's state after the path to it (all bits set for unconstrained rows);
+        it applies to p at every node, the bonus token's included."""
         trees = [_Tree.of(item.tree) for item in items]
         raw = logits[:, : self._vocab_size].float()  # [N, V]
-        x = self._processed(raw, items, trees)  # [N, V]
+        x = self._processed(raw, items, trees, bitmask)  # [N, V]
         greedy = x.max(dim=-1).indices.tolist()  # [N] ties to the lowest id, as plain decoding
         dead = (x.amax(dim=-1) == float("-inf")).tolist()  # [N] rows where nothing is allowed
         probs = self._probabilities(x, items, trees)
@@ -120,12 +124,22 @@ class Verifier:
         probs = self._sampler.probabilities(x.index_select(0, rows), states)  # [S, V]
         return dict(zip((item.row for item, _ in sampled), probs.split([n for _, n in sampled]), strict=True))
 
-    def _processed(self, raw: torch.Tensor, items: Sequence[VerifyItem], trees: Sequence[_Tree]) -> torch.Tensor:
+    def _processed(
+        self, raw: torch.Tensor, items: Sequence[VerifyItem], trees: Sequence[_Tree], bitmask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The rows of ``raw`` [N, V] the items use, processed; rows no item uses (plain entries') stay unprocessed."""
+        used = [item.row + j for item, tree in zip(items, trees, strict=True) for j in range(len(tree.tokens))]
         states = [item.state for item, tree in zip(items, trees, strict=True) for _ in tree.tokens]
         ahead = [a for tree in trees for a in tree.ahead]
-        if all(s.plain_greedy and not s.min_new_active_after(len(a)) for s, a in zip(states, ahead, strict=True)):
+        if bitmask is None and all(
+            s.plain_greedy and not s.min_new_active_after(len(a)) for s, a in zip(states, ahead, strict=True)
+        ):
             return raw  # nothing to apply: the raw argmax is the choice
-        return self._sampler.process_logits(raw, states, None, ahead)  # [N, V]
+        picked = torch.tensor(used, dtype=torch.long, device=raw.device)  # [U]
+        rows_mask = bitmask.index_select(0, picked.to(bitmask.device)) if bitmask is not None else None  # [U, W]
+        x = raw.clone()  # [N, V]
+        x[picked] = self._sampler.process_logits(raw.index_select(0, picked), states, rows_mask, ahead)  # [U, V]
+        return x
 
     @staticmethod
     def _walk_greedy(item: VerifyItem, tree: _Tree, greedy: list[int], dead: list[bool]) -> tuple[list[int], list[int]]:

@@ -161,28 +161,71 @@ def test_the_target_as_its_own_draft_accepts_every_draft_token(
     assert steps > 0 and (accepted + steps) / steps > 3.0  # 4 drafts + 1 where max_new_tokens leaves room
 
 
-SCHEMA = Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "array", "items": {"type": "integer"}, "maxItems": 6}')
+SCHEMAS = (
+    Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "array", "items": {"type": "integer"}, "maxItems": 6}'),
+    Constraint(
+        ConstraintKind.JSON_SCHEMA,
+        '{"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"type": "boolean"}},'
+        ' "required": ["a", "b"], "additionalProperties": false}',
+    ),
+    Constraint(ConstraintKind.REGEX, "(ab|cd){2,5}x"),
+)
+CONSTRAINED_CONFIGS = {
+    "ngram chain": CONFIGS["ngram chain"],
+    "ngram tree": CONFIGS["ngram tree"],
+    "draft chain": CONFIGS["draft chain"],
+    "draft tree": CONFIGS["draft tree"],
+}
 
 
-@pytest.mark.parametrize("grammar_overlap", [True, False], ids=["delayed-sampling", "early-commit"])
-def test_constrained_requests_beside_speculative_ones_keep_their_output(
-    grammar_overlap: bool, embedded_model_dir: Path, workload: tuple[list[list[int]], list[SamplingParams]]
-) -> None:
-    """A quarter of the batch is json_schema-constrained: those decode without drafts (a draft under a grammar needs
-    a mask per node, the next part of speculation) while the others speculate in the same steps, with delayed
-    sampling (C4) and with early commit. Every request's output, constrained or not, is plain decoding's. Fails if
-    a constrained entry is given a draft (its sampled tokens would skip the grammar's masks) or if the mask rows of a
-    step with drafts are misaligned with its sampling rows."""
+@pytest.fixture(scope="module")
+def constrained_plain(
+    embedded_model_dir: Path, workload: tuple[list[list[int]], list[SamplingParams]]
+) -> dict[bool, list[RequestOutput]]:
+    """The mixed batch with grammar and without speculation, in both grammar-overlap modes."""
+    return {
+        overlap: _constrained_run(embedded_model_dir, SpeculativeConfig(), overlap, workload)
+        for overlap in (True, False)
+    }
+
+
+def _constraints(n: int) -> list[Constraint | None]:
+    return [SCHEMAS[i % len(SCHEMAS)] if i % 2 == 0 else None for i in range(n)]
+
+
+def _constrained_run(
+    model: Path, spec: SpeculativeConfig, grammar_overlap: bool, workload: tuple[list[list[int]], list[SamplingParams]]
+) -> list[RequestOutput]:
     prompts, params = workload
-    constraints = [SCHEMA if i % 4 == 3 else None for i in range(len(prompts))]
-    params = [replace(p, stop=(), stop_token_ids=()) for p in params]
-    spec = SpeculativeConfig(SpecAlgorithm.NGRAM, num_steps=4, adaptive=False)
-    outs = {}
-    for name, s in (("plain", SpeculativeConfig()), ("spec", spec)):
-        config = replace(BASE, model_path=str(embedded_model_dir), speculative=s, grammar_overlap=grammar_overlap)
-        with Engine(config) as engine:
-            outs[name] = engine.generate_batch(prompts, params, timeout=300, constraints=constraints)
-            assert_engine_baseline(engine, 30)
-    _same(outs["spec"], outs["plain"])
-    assert all(o.spec_draft_tokens == 0 for o, c in zip(outs["spec"], constraints, strict=True) if c is not None)
-    assert sum(o.spec_accepted_tokens for o in outs["spec"]) > 0
+    prompts, params = prompts[:16], [replace(p, stop=(), stop_token_ids=(), max_new_tokens=32) for p in params[:16]]
+    config = replace(BASE, model_path=str(model), speculative=spec, grammar_overlap=grammar_overlap)
+    with Engine(config) as engine:
+        outs = engine.generate_batch(prompts, params, timeout=300, constraints=_constraints(len(prompts)))
+        assert_engine_baseline(engine, 30)
+    return outs
+
+
+@pytest.mark.parametrize("grammar_overlap", [True, False], ids=["delayed-verify", "early-commit"])
+@pytest.mark.parametrize("name", sorted(CONSTRAINED_CONFIGS))
+def test_speculation_under_grammar_gives_the_grammar_alone_output(
+    name: str,
+    grammar_overlap: bool,
+    noisy_draft: Path,
+    embedded_model_dir: Path,
+    workload: tuple[list[list[int]], list[SamplingParams]],
+    constrained_plain: dict[bool, list[RequestOutput]],
+) -> None:
+    """Half the batch constrained (JSON schemas and a regex), half not, all speculating: every request's output
+    equals its output with grammar and without speculation, with delayed verify (C4: the forward runs before the
+    draft's masks exist) and with early commit. Fails if a draft node's row is verified without its own mask (a
+    token the grammar bans is accepted), if a row gets another request's or another node's mask (C3), or if the
+    bonus token is left unmasked: the constrained outputs then differ (or break the grammar, ending in an abort)."""
+    spec = CONSTRAINED_CONFIGS[name]
+    if spec.algorithm is SpecAlgorithm.DRAFT:
+        spec = replace(spec, draft_model_path=str(noisy_draft))
+    outs = _constrained_run(embedded_model_dir, spec, grammar_overlap, workload)
+    _same(outs, constrained_plain[grammar_overlap])
+    constrained = [o for o, c in zip(outs, _constraints(len(outs)), strict=True) if c is not None]
+    assert sum(o.spec_draft_tokens for o in constrained) > 0
+    assert sum(o.spec_accepted_tokens for o in constrained) > 0  # drafts accepted under the grammar
+    assert all(o.finish is not None and o.finish.reason is not FinishReason.ABORT for o in outs)

@@ -131,7 +131,10 @@ def _node_logits(tree: DraftTree) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _run_trials(params: SamplingParams, drafter: Drafter) -> tuple[list[Verdict], list[DraftTree]]:
+def _run_trials(
+    params: SamplingParams, drafter: Drafter, banned: tuple[int, ...] = ()
+) -> tuple[list[Verdict], list[DraftTree]]:
+    """``banned``: tokens every row's grammar mask bans (a constrained request's draft)."""
     sampler = Sampler(V, "cpu")
     draft_gen = torch.Generator().manual_seed(99)
     items, rows, trees, offset = [], [], [], 0
@@ -143,7 +146,11 @@ def _run_trials(params: SamplingParams, drafter: Drafter) -> tuple[list[Verdict]
         rows.append(logits)
         trees.append(tree)
         offset += logits.shape[0]
-    return Verifier(sampler).verify(torch.cat(rows), items), trees
+    bitmask = None
+    if banned:
+        word = sum(1 << t for t in range(V) if t not in banned)
+        bitmask = torch.full((offset, 1), word, dtype=torch.int32)  # [N, 1]: one word covers the six tokens
+    return Verifier(sampler).verify(torch.cat(rows), items, bitmask), trees
 
 
 @pytest.mark.parametrize("params_name", sorted(PARAMS))
@@ -211,3 +218,30 @@ def test_logprobs_come_from_the_raw_rows_of_the_path() -> None:
     for row, (token, lp) in enumerate(zip(verdict.token_ids, verdict.logprobs, strict=True)):
         assert abs(lp - float(want[row, token])) < 1e-6
         assert verdict.top_logprobs[row][0][0] == int(want[row].argmax())
+
+
+@pytest.mark.parametrize("drafter_name", ["chain, sampled", "tree, fixed candidates"])
+def test_under_a_grammar_mask_the_emitted_tokens_follow_the_masked_target(drafter_name: str) -> None:
+    """Every node's mask applies to p, the bonus token's included: no banned token is ever emitted (even where the
+    draft proposes it) and the first token follows the masked, renormalised target. Fails if the verify ignores the
+    bitmask (banned tokens appear) or applies it to some rows only."""
+    banned = (0, 3)  # the root's two most likely tokens
+    verdicts, _ = _run_trials(PARAMS["temperature 1"], DRAFTERS[drafter_name], banned)
+    assert not any(t in banned for v in verdicts for t in v.token_ids)
+    sampler, state = Sampler(V, "cpu"), _state(PARAMS["temperature 1"], 0)
+    p = _target(sampler, state, ROOT)
+    p[list(banned)] = 0.0
+    assert _chi2_pvalue(Counter(v.token_ids[0] for v in verdicts), p / p.sum()) > SIGNIFICANCE
+
+
+def test_greedy_under_a_mask_takes_the_best_allowed_token() -> None:
+    sampler = Sampler(V, "cpu")
+    state = _state(SamplingParams(temperature=0.0, max_new_tokens=16), 0)
+    a = int(ROOT.argmax())
+    tree = DraftTree((a,), (-1,))  # the raw argmax, which the mask bans
+    word = sum(1 << t for t in range(V) if t != a)
+    bitmask = torch.full((2, 1), word, dtype=torch.int32)
+    (verdict,) = Verifier(sampler).verify(_node_logits(tree), [VerifyItem(state, tree, None, 0)], bitmask)
+    allowed = ROOT.clone()
+    allowed[a] = float("-inf")
+    assert verdict.path == () and verdict.token_ids == (int(allowed.argmax()),)
