@@ -24,6 +24,8 @@ class EngineConfig:
     executor fills them with its proposer's drafts and returns the accepted ones with the sampled token.
     ``check_invariants`` (for tests) has the loop check the scheduler's KV accounting and the prefix cache's
     invariants after every scheduler event; a violation stops the loop loudly.
+    ``outage_timeout_s``: how long a request waits for a lost executor or grammar service to come back (queued
+    requests for the executor, new constrained requests for the grammar service) before it ends UNAVAILABLE.
     """
 
     model_path: str | None = None
@@ -41,6 +43,7 @@ class EngineConfig:
     grammar_wait_s: float = 5.0
     num_draft_tokens: int = 0
     check_invariants: bool = False
+    outage_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -50,6 +53,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if self.outage_timeout_s < 0:
+            raise ValueError(f"outage_timeout_s must be >= 0, got {self.outage_timeout_s}")
 
     @property
     def mask_wait_s(self) -> float:

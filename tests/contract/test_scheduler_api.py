@@ -15,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import time
 import zipfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +322,11 @@ class _LosableRunner:
     def take_loss(self) -> str | None:
         return None  # the loss is reported through the failing launches
 
+    def come_back(self) -> None:
+        """An executor answering again, with nothing of the lost session (as a restarted one)."""
+        self._inner.reset().result(TIMEOUT)
+        self.lost = False
+
 
 def test_executor_loss_ends_the_stream_unavailable_and_health_says_so(config: EngineConfig) -> None:
     runner = _LosableRunner(ModelRunner.load(config))
@@ -334,6 +341,35 @@ def test_executor_loss_ends_the_stream_unavailable_and_health_says_so(config: En
         assert err.code() is grpc.StatusCode.UNAVAILABLE and "executor" in (err.details() or "")
         assert not stub.HealthCheck(pb.HealthCheckRequest(), timeout=TIMEOUT).healthy
         _wait_health(ch, SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert engine.wait_idle(TIMEOUT)
+
+
+def test_requests_wait_for_a_lost_executor_until_their_outage_timeout(config: EngineConfig) -> None:
+    """While the executor is lost nothing is planned: a request sent then waits, queued, and ends UNAVAILABLE once it
+    has waited the outage timeout (1 s here); one sent once the executor answers again runs, and one sent while it is
+    down runs too if it comes back in time. Fails if the loop plans while the executor is down (the request fails at
+    once, at its first launch) or never expires a waiting request (the RPC hangs to its deadline)."""
+    runner = _LosableRunner(ModelRunner.load(config))
+    with Engine(replace(config, outage_timeout_s=1.0), runner) as engine, serve_scheduler(engine) as ch:
+        stub = pb_grpc.SglangSchedulerStub(ch)
+        call = stub.Generate(_request([3, 4, 5], "lost", True, max_new_tokens=900, ignore_eos=True), timeout=TIMEOUT)
+        assert next(call).HasField("chunk")
+        runner.lost = True
+        assert _error(lambda: list(call)).code() is grpc.StatusCode.UNAVAILABLE
+
+        sent = time.monotonic()
+        err = _error(lambda: _collect(stub, _request([3, 4, 5], "late")))
+        waited = time.monotonic() - sent
+        assert err.code() is grpc.StatusCode.UNAVAILABLE, err
+        assert "did not come back within 1 s" in (err.details() or ""), err.details()
+        assert 1.0 <= waited < TIMEOUT / 2, waited
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            waiting = pool.submit(_collect, stub, _request([3, 4, 5], "in-time"))
+            wait_for(lambda: engine.stats().num_waiting == 1, TIMEOUT, "the request sent while down queued")
+            runner.come_back()
+            assert waiting.result(TIMEOUT)[-1].complete.finish_reason == "length"
+        assert _collect(stub, _request([3, 4, 5], "back"))[-1].complete.finish_reason == "length"
         assert engine.wait_idle(TIMEOUT)
 
 

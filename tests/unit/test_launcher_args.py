@@ -72,6 +72,8 @@ def test_engine_argv_round_trips_every_engine_flag() -> None:
         "--no-prefix-cache",
         "--grammar-overlap",
         "off",
+        "--outage-timeout",
+        "7.5",
     ]
     parser = _engine_parser()
     args = parser.parse_args(flags)
@@ -88,6 +90,7 @@ def test_engine_argv_round_trips_every_engine_flag() -> None:
         overlap=False,
         prefix_cache=False,
         grammar_overlap=False,
+        outage_timeout_s=7.5,
     )
 
 
