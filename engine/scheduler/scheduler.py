@@ -389,23 +389,24 @@ class Scheduler:
         Every step in flight fails and every admitted request ends with an abort caused by the executor (queued
         ones hold nothing of the executor's and stay queued). Nothing enters
         the prefix cache and everything cached is dropped, since the KV behind it is gone. Released slots are
-        not reported: the executor has no buffers left to free.
+        not reported: the executor has no buffers left to free. Their grammars are (they live in the grammar service).
         """
-        outputs: list[RequestOutput] = []
+        lost = CommitOutcome()
         finish = Finish(FinishReason.ABORT, message=message, cause=AbortCause.EXECUTOR)
         self._kv_lost = True
         try:
             while self._inflight:
-                outputs.extend(self.fail_step(self._inflight[0].plan.step_id, message).outputs)
+                lost.extend(self.fail_step(self._inflight[0].plan.step_id, message))
             for req in list(self._requests.values()):
                 # A queued request holds nothing of the executor's: it waits and runs on the next session.
                 if req.state is not RequestState.QUEUED and not req.finishing:
-                    outputs.extend(self._finish_now(req, finish).outputs)
+                    lost.extend(self._finish_now(req, finish))
         finally:
             self._kv_lost = False
         if self.cache is not None:
             self.cache.evict(self.cache.num_evictable)
-        return CommitOutcome(outputs=outputs)
+        # Their grammars live in the grammar service, not in the executor: they are released as for any finish.
+        return CommitOutcome(outputs=lost.outputs, released_grammars=lost.released_grammars)
 
     def grammar_lost(self, session: int, message: str) -> CommitOutcome:
         """The grammar service lost every grammar of its sessions up to ``session``: each request whose grammar lived

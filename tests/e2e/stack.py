@@ -177,11 +177,19 @@ def _read_ready_line(lines: queue.SimpleQueue[str | None], prefix: str, timeout:
 
 @dataclass
 class ServeStack:
-    """A running ``ordinal serve`` and what its READY line said."""
+    """A running ``ordinal serve``, what its READY line said, and its later stdout lines (``ORDINAL_RESTARTED``)."""
 
     proc: subprocess.Popen[str]
     stderr_path: Path
     fields: dict[str, str]
+    stdout: queue.SimpleQueue[str | None]
+
+    def wait_line(self, prefix: str, timeout: float) -> str:
+        """The next stdout line starting with ``prefix`` (bounded: fails the test after ``timeout``)."""
+        line = _read_ready_line(self.stdout, prefix, timeout)
+        if line is None:
+            raise AssertionError(f"no {prefix!r} line within {timeout:.0f} s; stderr:\n{self.stderr()[-4000:]}")
+        return line
 
     @property
     def pids(self) -> dict[str, int]:
@@ -237,7 +245,7 @@ def start_serve(log_path: Path, model_dir: Path, *flags: str, ready_timeout: flo
         tail = log_path.read_text(errors="replace")[-4000:]
         raise AssertionError(f"ordinal serve not ready (exit code {proc.returncode}); stderr:\n{tail}")
     fields = dict(part.split("=", 1) for part in line.split()[1:])
-    return ServeStack(proc, log_path, fields)
+    return ServeStack(proc, log_path, fields, lines)
 
 
 class ServiceProcess:
