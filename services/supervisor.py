@@ -1,17 +1,16 @@
 """The process supervisor of ``ordinal serve``: it starts the services as children, watches them, restarts one that
 exits unexpectedly, and stops them.
 
-Children run in their own process groups and die with the launcher (a parent-death signal where Linux offers
-one). SIGINT/SIGTERM stop everything in reverse start order; a second signal kills at once. Once the stack is up, a
-child that exits without being asked to is reported (exit code, last lines) and started again with the same command
-line after an exponential backoff (:class:`RestartPolicy`); a service that keeps dying (more exits within a minute
-than the policy allows) stops everything, and the launcher exits non-zero.
+Children run in their own process groups and die with the launcher (a parent-death signal where Linux offers one,
+services/parent_death.py). SIGINT/SIGTERM stop everything in reverse start order; a second signal kills at once.
+Once the stack is up, a child that exits without being asked to is reported (exit code, last lines) and started
+again with the same command line after an exponential backoff (:class:`RestartPolicy`); a service that keeps dying
+(more exits within a minute than the policy allows) stops everything, and the launcher exits non-zero.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -185,7 +184,7 @@ class Supervisor:
     def _spawn(self, name: str, argv: Sequence[str], is_ready: Callable[[Child], bool]) -> Child:
         say(f"starting {name}: {' '.join(argv)}")
         proc = subprocess.Popen(
-            list(argv),
+            [*_dies_with_us(), *argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -193,7 +192,6 @@ class Supervisor:
             errors="replace",
             bufsize=1,
             start_new_session=True,
-            preexec_fn=_parent_death_signal(),
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         child = Child(name, list(argv), proc, is_ready=is_ready)
@@ -362,19 +360,8 @@ def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
             os.killpg(proc.pid, sig)
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """On Linux, a pre-exec hook that has the kernel send SIGTERM to the child if the launcher dies (even by
-    SIGKILL), so that no service outlives it. The libc function is resolved here, before the fork: the hook
-    itself only makes one system call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-
-    return hook
+def _dies_with_us() -> list[str]:
+    """The command prefix that has a child die with the launcher (services/parent_death.py: the parent-death signal
+    set in the child itself, never in a pre-exec hook of this threaded process). It is tied to the thread that starts
+    the child: every child is started from the launcher's main thread, which lives as long as the launcher."""
+    return [sys.executable, "-m", "services.parent_death", str(os.getpid())]

@@ -9,7 +9,9 @@ READY like a service when the script lets it.
 from __future__ import annotations
 
 import itertools
+import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -18,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from services import parent_death
 from services.supervisor import Child, RestartHistory, RestartPolicy, StopSignal, Supervisor
 
+REPO = Path(__file__).resolve().parents[2]
 POLICY = RestartPolicy(max_restarts=3, window_s=60.0, initial_backoff_s=0.2, max_backoff_s=10.0)
 WAIT_S = 30.0
 
@@ -163,3 +167,56 @@ def test_a_stop_during_a_backoff_stops_cleanly(tmp_path: Path) -> None:
         policy = RestartPolicy(max_restarts=3, initial_backoff_s=5.0, max_backoff_s=5.0)
         assert sup.supervise(policy, startup_timeout=WAIT_S) == 0
     assert len(_starts(log)) == 1, "nothing restarted once the stop came"
+
+
+# ---------------------------------------------------------------------------------------------- dying with us
+
+_LAUNCHER = """
+import sys, time
+from services.supervisor import StopSignal, Supervisor
+sup = Supervisor(StopSignal(), stop_timeout=5)
+serve = "import time; print('FAKE_READY port=1', flush=True); time.sleep(60)"
+child = sup.launch("grammar", [sys.executable, "-c", serve])
+sup.wait_ready_line(child, "FAKE", timeout=30)
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_children_die_with_a_launcher_killed_outright() -> None:
+    """A launcher SIGKILLed (no chance to stop anything) still takes its children with it: the kernel sends each one
+    SIGTERM (the parent-death signal services/parent_death.py sets before exec'ing the service). Fails if that
+    setting is removed: the child lives on, orphaned."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    child = 0
+    try:
+        assert launcher.stdout is not None
+        child = int(launcher.stdout.readline())
+        launcher.kill()
+        launcher.wait(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while _running(child):
+            assert time.monotonic() < deadline, "the child outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if child and _running(child):  # only when the test failed: never leave the orphan behind
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_child_whose_parent_is_already_gone_is_not_run(tmp_path: Path) -> None:
+    """The parent died before the setting took effect (this process is not pid 1's child): nothing is exec'd."""
+    marker = tmp_path / "ran"
+    assert parent_death.main(["1", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]) == 1
+    assert not marker.exists()
+
+
+def _running(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "State:\tZ" not in status.read_text()
+    except FileNotFoundError:
+        return False
