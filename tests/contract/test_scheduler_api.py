@@ -18,7 +18,7 @@ import math
 import time
 import zipfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,15 +32,13 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.errors import ExecutorUnavailableError
 from engine.executor.runner import ModelRunner
-from engine.model_info import ModelInfo
 from engine.scheduler.engine import Engine
-from engine.step import StepPlan, StepResult
 from services.scheduler.servicer import SERVICE_NAME
 from services.scheduler.tokenizer_zip import tokenizer_chunks
 from tests.e2e.stack import wait_for
 from tests.helpers import serve_scheduler, smg_params, smg_request
+from tests.support.runners import LosableRunner
 
 TIMEOUT = 30.0
 
@@ -294,42 +292,8 @@ def test_reflection_lists_the_services(channel: grpc.Channel) -> None:
 # ------------------------------------------------------------------------------------------ executor loss
 
 
-class _LosableRunner:
-    """The real in-process runner, plus a switch that makes it behave like an executor whose session ended:
-    every later step fails with ExecutorUnavailableError and the health probe says no."""
-
-    def __init__(self, inner: ModelRunner) -> None:
-        self._inner = inner
-        self.info: ModelInfo = inner.info
-        self.lost = False
-
-    def launch(self, plan: StepPlan) -> Future[StepResult]:
-        if not self.lost:
-            return self._inner.launch(plan)
-        failed: Future[StepResult] = Future()
-        failed.set_exception(ExecutorUnavailableError("executor session ended (test)"))
-        return failed
-
-    def release(self, slots: Any) -> Future[None]:
-        return self._inner.release(slots)
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
-
-    def healthy(self) -> bool:
-        return not self.lost and self._inner.healthy()
-
-    def take_loss(self) -> str | None:
-        return None  # the loss is reported through the failing launches
-
-    def come_back(self) -> None:
-        """An executor answering again, with nothing of the lost session (as a restarted one)."""
-        self._inner.reset().result(TIMEOUT)
-        self.lost = False
-
-
 def test_executor_loss_ends_the_stream_unavailable_and_health_says_so(config: EngineConfig) -> None:
-    runner = _LosableRunner(ModelRunner.load(config))
+    runner = LosableRunner(ModelRunner.load(config))
     with Engine(config, runner) as engine, serve_scheduler(engine) as ch:
         stub = pb_grpc.SglangSchedulerStub(ch)
         call = stub.Generate(
@@ -349,7 +313,7 @@ def test_requests_wait_for_a_lost_executor_until_their_outage_timeout(config: En
     has waited the outage timeout (1 s here); one sent once the executor answers again runs, and one sent while it is
     down runs too if it comes back in time. Fails if the loop plans while the executor is down (the request fails at
     once, at its first launch) or never expires a waiting request (the RPC hangs to its deadline)."""
-    runner = _LosableRunner(ModelRunner.load(config))
+    runner = LosableRunner(ModelRunner.load(config))
     with Engine(replace(config, outage_timeout_s=1.0), runner) as engine, serve_scheduler(engine) as ch:
         stub = pb_grpc.SglangSchedulerStub(ch)
         call = stub.Generate(_request([3, 4, 5], "lost", True, max_new_tokens=900, ignore_eos=True), timeout=TIMEOUT)
