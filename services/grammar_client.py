@@ -46,23 +46,11 @@ from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
 from services.grammar_session import HeldSession
-from services.grpc_common import outbox_messages
+from services.grpc_common import SERVICE_CHANNEL_OPTIONS, outbox_messages
 
 log = logging.getLogger(__name__)
 
-# Keepalive finds a service that vanished without closing the connection (the session's call is idle); a short
-# reconnect backoff and DNS re-resolution find a restarted one within a second (in compose, at a new address).
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-    ("grpc.dns_min_time_between_resolutions_ms", 1_000),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-)
+CHANNEL_OPTIONS = SERVICE_CHANNEL_OPTIONS
 DEFAULT_TIMEOUT_S = 30.0
 STREAM_CLOSE_TIMEOUT_S = 2.0
 # A mask call waits for its reply at most this long past its fence deadline (the service answers at the deadline): a

@@ -43,22 +43,12 @@ from engine.grammar_calls import (
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
-from services.grpc_common import StartedServer, start_serving
+from services.grpc_common import SERVICE_SERVER_OPTIONS, StartedServer, start_serving
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Grammar"].full_name
-# Keepalive finds a scheduler that vanished without closing its connection: its Session call then ends and its
-# grammars are released. Clients ping every few seconds, so the server must tolerate that.
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-)
+SERVER_OPTIONS = SERVICE_SERVER_OPTIONS
 # Answer this much before the caller's own gRPC deadline, so that a fence timeout arrives as per-entry
 # BEHIND_DEADLINE codes rather than as a DEADLINE_EXCEEDED of the whole call.
 _REPLY_MARGIN_S = 0.05

@@ -394,6 +394,12 @@ time.sleep(60)
 """
 
 
+def _python(args: list[str], stderr: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
+    """A Python process of the repository (a service, a scheduler played by a script), its stdout a text pipe."""
+    command, env = [sys.executable, *args], {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+
+
 def _state(stub: pb_grpc.GrammarStub, session: str = "") -> pb.GrammarState:
     return stub.GetState(pb.StateRequest(session=session), timeout=WAIT_S)
 
@@ -404,14 +410,7 @@ def test_a_killed_schedulers_grammars_are_released_with_its_session(target: str,
     while a grammar opened in no session stays until released. Enforced by `self.registry.end_session(session)` in
     the finally of GrammarServicer.Session; without it both grammars stay open (num_open stays 3)."""
     unowned = open_one(stub)
-    script = subprocess.Popen(
-        [sys.executable, "-c", _SCHEDULER_SCRIPT, target, SCHEMA],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    script = _python(["-c", _SCHEDULER_SCRIPT, target, SCHEMA], stderr=subprocess.PIPE)
     try:
         assert script.stdout is not None
         ready, _, _ = select.select([script.stdout], [], [], 60)
@@ -653,15 +652,7 @@ def test_the_service_process_serves_and_stops_on_sigterm(embedded_model_dir: Pat
     """`python -m services.grammar` prints its ready line with the bound port, serves, and exits 0 on SIGTERM.
     Enforced by `loop.add_signal_handler(sig, stop.set)` in services.grammar.__main__.serve; without it SIGTERM
     kills the process (return code -15)."""
-    command = [sys.executable, "-m", "services.grammar", "--port", "0", "--model", str(embedded_model_dir)]
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    process = _python(["-m", "services.grammar", "--port", "0", "--model", str(embedded_model_dir)])
     try:
         assert process.stdout is not None
         ready, _, _ = select.select([process.stdout], [], [], 60)
