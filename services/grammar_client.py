@@ -396,10 +396,10 @@ class RemoteGrammar:
         return self._client
 
     @property
-    def session_number(self) -> int:
-        """The number of the session held now (0: none yet, or a client that holds none)."""
+    def session(self) -> tuple[int, str] | None:
+        """The session held now, as (number, id); None when there is none (not yet, ended, or a client holding none)."""
         held = self._session
-        return held.number if held is not None and held.alive else 0
+        return (held.number, held.session_id) if held is not None and held.alive else None
 
     def open(self, request_id: str, constraint: Constraint) -> int:
         """Compile and open in the current session (holding a new one if the last ended); its number. Raises the
@@ -423,15 +423,26 @@ class RemoteGrammar:
         return number
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
+        """One step's commits. A failed call answers every entry UNAVAILABLE and ends the session. An entry refused
+        RELEASED or UNKNOWN (the scheduler commits only grammars it has not released) has the session checked: when
+        the service no longer holds it (a new instance behind the address), such entries are answered UNAVAILABLE
+        too and the session ends, so those requests end as lost to the service, not as refused by their grammar."""
         if not entries:
             return []
         try:
-            return self._client.stream_commit(entries)
+            outcomes = self._client.stream_commit(entries)
         except GrammarStreamError as exc:
             message = f"grammar service unavailable: a commit to {self._target} failed ({exc})"
             log.warning("grammar commit of %d entries failed: %s", len(entries), message)
             self._end_current(f"a commit failed ({exc})")
             return [CommitOutcome(None, Refusal.UNAVAILABLE, message) for _ in entries]
+        if not any(o.refusal in _GONE for o in outcomes) or not self._holds_session:
+            return outcomes
+        lost = self._verify_session()
+        if lost is None:
+            return outcomes
+        message = f"grammar service unavailable: {lost}; this request's grammar state is gone"
+        return [CommitOutcome(None, Refusal.UNAVAILABLE, message) if o.refusal in _GONE else o for o in outcomes]
 
     def fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
@@ -526,25 +537,32 @@ class RemoteGrammar:
             self._session_ended(held, reason)
             held.cancel()
 
-    def _verify_session(self) -> None:
-        """Ask the service whether it still holds the current session; end it when not (or when it does not answer).
+    def _verify_session(self) -> str | None:
+        """Ask the service whether it still holds the current session; end it when not (or when it does not answer),
+        and say why. None: it holds (or no session is held here, and there is nothing to check).
 
-        The session's call usually reports a dead service first, but not always before the executor does: this turns
-        "a mask could not be had" into a definite answer."""
+        The session's call usually reports a dead service first, but not always before the executor's masks or a
+        commit do: this turns "a grammar is missing" into a definite answer."""
         held = self._session
         if held is None or not held.alive:
-            return
+            return None
         try:
             state = self._client.get_state(session=held.session_id, timeout_s=VERIFY_TIMEOUT_S)
         except grpc.RpcError as exc:
-            self._end_current(f"the service does not answer ({_rpc_error(exc)})")
-            return
-        if not state.session_held:
-            self._end_current(f"the service (instance {state.instance_id}) does not hold it: it restarted")
+            reason = f"the service does not answer ({_rpc_error(exc)})"
+        else:
+            if state.session_held:
+                return None
+            reason = f"the service (instance {state.instance_id}) does not hold it: it restarted"
+        self._end_current(reason)
+        return f"the session with the grammar service at {self._target} ended: {reason}"
 
 
 class GrammarServiceError(RuntimeError):
     """The grammar service cannot be used: unreachable at start, or built for another vocabulary."""
+
+
+_GONE = (Refusal.RELEASED, Refusal.UNKNOWN)  # a committed grammar the service does not have (any more)
 
 
 def _vocab_mismatch(target: str, served: int, model: int) -> str:

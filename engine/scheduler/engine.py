@@ -115,7 +115,9 @@ class Engine:
         self.scheduler = Scheduler(config)  # the loop thread's alone
         self._stats = self.scheduler.stats()  # replaced whole by the loop thread after every scheduler event
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
-        self._opening: dict[str, bool] = {}  # loop thread only: constrained ids compiling -> aborted meanwhile
+        # Constrained ids compiling -> aborted meanwhile. Written by the loop thread only; a compile thread waiting for
+        # the grammar service reads its own entry to stop waiting for an aborted request.
+        self._opening: dict[str, bool] = {}
         self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ordinal-grammar-open")
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -187,7 +189,9 @@ class Engine:
                 session = self.grammar.open(request.request_id, request.constraint)
                 break
             except GrammarUnavailableError as exc:
-                if time.monotonic() + _GRAMMAR_RETRY_S > deadline or self._stopping:
+                # An aborted request stops waiting (the loop marks it; a stale read costs one more retry at most).
+                aborted = self._opening.get(request.request_id, False)
+                if time.monotonic() + _GRAMMAR_RETRY_S > deadline or self._stopping or aborted:
                     error = exc
                     break
                 time.sleep(_GRAMMAR_RETRY_S)
