@@ -67,7 +67,15 @@ from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import CompilerConfig, ConstraintCompiler, load_tokenizer_info
 from engine.grammar.registry import FencedMasks, GrammarRegistry
 from engine.grammar.schema import JsonSchemaPolicy
-from engine.grammar_calls import CommitEntry, CommitOutcome, InvalidGrammarError, MaskEntry, MaskRefusals, words_per_row
+from engine.grammar_calls import (
+    CommitEntry,
+    CommitOutcome,
+    GrammarLoss,
+    InvalidGrammarError,
+    MaskEntry,
+    MaskRefusals,
+    words_per_row,
+)
 from engine.model.embedded import ensure_embedded_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
@@ -155,8 +163,8 @@ class TimedGrammar:
         self.inner = inner
         self.costs = costs
 
-    def open(self, request_id: str, constraint: Constraint) -> None:
-        self.inner.open(request_id, constraint)
+    def open(self, request_id: str, constraint: Constraint) -> int:
+        return self.inner.open(request_id, constraint)
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         started = time.perf_counter()
@@ -184,6 +192,12 @@ class TimedGrammar:
     @property
     def num_open(self) -> int:
         return self.inner.num_open
+
+    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
+        return self.inner.take_loss(verify)
+
+    def unavailable(self) -> str | None:
+        return self.inner.unavailable()
 
 
 class _TimedFence:

@@ -75,6 +75,8 @@ class EngineConfig:
     the accepted ones with the token sampled after them.
     ``check_invariants`` (for tests) has the loop check the scheduler's KV accounting and the prefix cache's
     invariants after every scheduler event; a violation stops the loop loudly.
+    ``outage_timeout_s``: how long a request waits for a lost executor or grammar service to come back (queued
+    requests for the executor, new constrained requests for the grammar service) before it ends UNAVAILABLE.
     """
 
     model_path: str | None = None
@@ -92,6 +94,7 @@ class EngineConfig:
     grammar_wait_s: float = 5.0
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     check_invariants: bool = False
+    outage_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -99,6 +102,8 @@ class EngineConfig:
         for name in ("page_size", "num_pages", "max_running", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.outage_timeout_s < 0:
+            raise ValueError(f"outage_timeout_s must be >= 0, got {self.outage_timeout_s}")
 
     @property
     def mask_wait_s(self) -> float:

@@ -15,11 +15,13 @@ class FinishReason(enum.Enum):
 
 
 class AbortCause(enum.Enum):
-    """Who ended an aborted request; the services map each to a status (EXECUTOR → UNAVAILABLE, ...)."""
+    """Who ended an aborted request; the services map each to a status (EXECUTOR, GRAMMAR_SERVICE: UNAVAILABLE)."""
 
     CLIENT = "client"
-    EXECUTOR = "executor"
+    EXECUTOR = "executor"  # the executor was lost (its KV with it) or did not come back in time
     GRAMMAR = "grammar"  # the grammar refused a token at commit (C13) or its mask never came (C3)
+    # The grammar service was lost (the session the request's grammar lived in ended) or did not come back in time.
+    GRAMMAR_SERVICE = "grammar_service"
     INVALID_GRAMMAR = "invalid_grammar"  # the constraint does not compile: the request is refused (INVALID_ARGUMENT)
     SHUTDOWN = "shutdown"
     INTERNAL = "internal"

@@ -42,13 +42,30 @@ class GrammarTimeoutError(RuntimeError):
     """A compile did not finish within its deadline. It keeps running and its result is cached for later."""
 
 
+class GrammarUnavailableError(RuntimeError):
+    """The grammar service cannot be used now: it does not answer, or the session a grammar would live in ended.
+
+    Raised by :meth:`GrammarBackend.open` (the engine retries until the request's outage deadline, then ends it
+    with UNAVAILABLE, naming the grammar service)."""
+
+
+@dataclass(frozen=True)
+class GrammarLoss:
+    """The grammar service lost every grammar opened in a session up to ``session`` (a counter the backend keeps:
+    each new session with the service gets the next number): it restarted, or the session's call ended. The
+    requests whose grammars lived there cannot go on; ``reason`` says why, for their message."""
+
+    session: int
+    reason: str
+
+
 def words_per_row(vocab_size: int) -> int:
     """Width of one mask row in xgrammar's layout: one bit per token id, packed into int32 words."""
     return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
 
 
 class Refusal(enum.Enum):
-    """Why a grammar call was refused. Each maps to one per-entry code of the grammar protocol."""
+    """Why a grammar call was refused. Each but UNAVAILABLE maps to one per-entry code of the grammar protocol."""
 
     STALE_ORDINAL = "stale_ordinal"  # commit from an ordinal already passed: a replay (C2)
     FUTURE_ORDINAL = "future_ordinal"  # commit from an ordinal not reached: a gap (C2)
@@ -62,6 +79,10 @@ class Refusal(enum.Enum):
     ALREADY_OPEN = "already_open"  # open under an id that is open
     INVALID_ARGUMENT = "invalid_argument"  # a malformed call: empty id, bad draft tree, wrong buffer
     INTERNAL = "internal"  # xgrammar failed unexpectedly on this entry; the others are unaffected
+    NO_SESSION = "no_session"  # open in a session that is not held (it ended: its grammars were released, C9)
+    # Client side only, never answered by the service: the call did not reach it or got no answer, so the state of
+    # every grammar of the session is unknown and the session is ended (its grammars are released with it).
+    UNAVAILABLE = "unavailable"
 
 
 class GrammarProtocolError(ProtocolError):
@@ -249,12 +270,20 @@ def mask_outcomes(
 
 
 class GrammarBackend(Protocol):
-    def open(self, request_id: str, constraint: Constraint) -> None:
-        """Compile (cached) and open a matcher at ordinal 0. Raises InvalidGrammarError (the grammar is bad:
-        INVALID_ARGUMENT with xgrammar's reason), GrammarTimeoutError or GrammarProtocolError."""
+    """The grammar service as the engine sees it. A remote one holds a **session** for the grammars it opens: they
+    live as long as the session, and a session that ends (the service restarted, a call on it failed) takes them
+    all with it. Sessions are numbered in order; an in-process backend has one, 0, that never ends."""
+
+    def open(self, request_id: str, constraint: Constraint) -> int:
+        """Compile (cached) and open a matcher at ordinal 0; the number of the session it lives in. Raises
+        InvalidGrammarError (the grammar is bad: INVALID_ARGUMENT with xgrammar's reason), GrammarTimeoutError,
+        GrammarProtocolError, or GrammarUnavailableError (the service cannot be used now: worth a retry)."""
         ...
 
-    def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]: ...
+    def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
+        """One step's commits, answered per entry. When the call itself fails every entry is refused UNAVAILABLE
+        and the session ends (a :class:`GrammarLoss` to take)."""
+        ...
 
     def fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
@@ -267,6 +296,16 @@ class GrammarBackend(Protocol):
 
     @property
     def num_open(self) -> int: ...
+
+    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
+        """The newest session loss not taken yet, once; None when every session so far is alive or was reported.
+        ``verify``: first ask the service whether the current session still holds (bounded; the engine asks so
+        when a mask could not be had, to tell a lost service from a refusal of one request)."""
+        ...
+
+    def unavailable(self) -> str | None:
+        """None when grammars can be opened now; else why not (bounded: it may try to reach the service)."""
+        ...
 
 
 class MaskWait(Protocol):

@@ -23,6 +23,7 @@ class EntryCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALREADY_EXISTS: _ClassVar[EntryCode]
     DEADLINE_EXCEEDED: _ClassVar[EntryCode]
     INTERNAL: _ClassVar[EntryCode]
+    NO_SESSION: _ClassVar[EntryCode]
 
 class ConstraintKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +53,7 @@ INVALID_ARGUMENT: EntryCode
 ALREADY_EXISTS: EntryCode
 DEADLINE_EXCEEDED: EntryCode
 INTERNAL: EntryCode
+NO_SESSION: EntryCode
 CONSTRAINT_KIND_UNSPECIFIED: ConstraintKind
 JSON_SCHEMA: ConstraintKind
 REGEX: ConstraintKind
@@ -81,12 +83,14 @@ class OpenEntry(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("entries", "deadline_ms")
+    __slots__ = ("entries", "deadline_ms", "session")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[OpenEntry]
     deadline_ms: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[OpenEntry, _Mapping]]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[OpenEntry, _Mapping]]] = ..., deadline_ms: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class OpenResult(_message.Message):
     __slots__ = ("code", "message")
@@ -201,11 +205,13 @@ class ReleaseReply(_message.Message):
     def __init__(self, codes: _Optional[_Iterable[_Union[EntryCode, str]]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
 
 class GrammarState(_message.Message):
-    __slots__ = ("num_open", "vocab_size", "words_per_row", "compile_cache_hits", "compile_cache_misses", "compile_cache_entries", "num_waiting")
+    __slots__ = ("num_open", "vocab_size", "words_per_row", "compile_cache_hits", "compile_cache_misses", "compile_cache_entries", "num_waiting", "num_sessions", "instance_id", "session_held")
     NUM_OPEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORDS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +219,9 @@ class GrammarState(_message.Message):
     COMPILE_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     COMPILE_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_HELD_FIELD_NUMBER: _ClassVar[int]
     num_open: int
     vocab_size: int
     words_per_row: int
@@ -220,7 +229,26 @@ class GrammarState(_message.Message):
     compile_cache_misses: int
     compile_cache_entries: int
     num_waiting: int
-    def __init__(self, num_open: _Optional[int] = ..., vocab_size: _Optional[int] = ..., words_per_row: _Optional[int] = ..., compile_cache_hits: _Optional[int] = ..., compile_cache_misses: _Optional[int] = ..., compile_cache_entries: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+    num_sessions: int
+    instance_id: str
+    session_held: bool
+    def __init__(self, num_open: _Optional[int] = ..., vocab_size: _Optional[int] = ..., words_per_row: _Optional[int] = ..., compile_cache_hits: _Optional[int] = ..., compile_cache_misses: _Optional[int] = ..., compile_cache_entries: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_sessions: _Optional[int] = ..., instance_id: _Optional[str] = ..., session_held: _Optional[bool] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class SessionGrant(_message.Message):
+    __slots__ = ("session", "instance_id", "vocab_size")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    instance_id: str
+    vocab_size: int
+    def __init__(self, session: _Optional[str] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("commit", "fill_masks", "release")

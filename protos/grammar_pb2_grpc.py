@@ -65,6 +65,11 @@ class GrammarStub:
                 request_serializer=protos_dot_grammar__pb2.StreamRequest.SerializeToString,
                 response_deserializer=protos_dot_grammar__pb2.StreamReply.FromString,
                 _registered_method=True)
+        self.Session = channel.unary_stream(
+                '/ordinal.grammar.v1.Grammar/Session',
+                request_serializer=protos_dot_grammar__pb2.SessionRequest.SerializeToString,
+                response_deserializer=protos_dot_grammar__pb2.SessionGrant.FromString,
+                _registered_method=True)
 
 
 class GrammarServicer:
@@ -118,6 +123,17 @@ class GrammarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request, context):
+        """A scheduler's session: the grammars it opens naming the session (OpenRequest.session) belong to it and are
+        released when this call ends, whether the scheduler closed it, died, or lost its connection (keepalive finds
+        a peer that vanished), so nothing a dead scheduler opened outlives it. The service answers once (the grant)
+        and holds the call open; it ends it only when it stops. A session id that is held already is refused
+        (ALREADY_EXISTS); an empty one is INVALID_ARGUMENT. The executor only reads masks and holds no session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GrammarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +166,11 @@ def add_GrammarServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=protos_dot_grammar__pb2.StreamRequest.FromString,
                     response_serializer=protos_dot_grammar__pb2.StreamReply.SerializeToString,
+            ),
+            'Session': grpc.unary_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=protos_dot_grammar__pb2.SessionRequest.FromString,
+                    response_serializer=protos_dot_grammar__pb2.SessionGrant.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +335,33 @@ class Grammar:
             '/ordinal.grammar.v1.Grammar/Stream',
             protos_dot_grammar__pb2.StreamRequest.SerializeToString,
             protos_dot_grammar__pb2.StreamReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ordinal.grammar.v1.Grammar/Session',
+            protos_dot_grammar__pb2.SessionRequest.SerializeToString,
+            protos_dot_grammar__pb2.SessionGrant.FromString,
             options,
             channel_credentials,
             insecure,

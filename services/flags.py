@@ -101,6 +101,14 @@ def add_engine_tuning_args(parser: argparse.ArgumentParser) -> None:
         "while the forward runs); off: the scheduler commits before launching a constrained step and the executor "
         "never waits (executor and scheduler must agree)",
     )
+    sched.add_argument(
+        "--outage-timeout",
+        type=float,
+        default=defaults.outage_timeout_s,
+        metavar="SECONDS",
+        help="how long a request waits for a lost executor or grammar service to come back (queued requests for the "
+        "executor, new constrained ones for the grammar service) before it fails with UNAVAILABLE",
+    )
     add_speculative_args(parser)
 
 
@@ -180,6 +188,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefix_cache=not args.no_prefix_cache,
         grammar_overlap=args.grammar_overlap == "on",
         speculative=speculative_config(args),
+        outage_timeout_s=args.outage_timeout,
     )
 
 
@@ -200,6 +209,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         str(args.chunk_size),
         "--grammar-overlap",
         args.grammar_overlap,
+        "--outage-timeout",
+        str(args.outage_timeout),
     ]
     if args.speculative_algorithm:
         argv += ["--speculative-algorithm", args.speculative_algorithm]

@@ -10,6 +10,10 @@ Only a failure of the whole call (the service is unreachable, the call's deadlin
 the scheduler's engine opens, commits and releases through it, the executor's mask fetcher fills masks through
 another one, both against the same service. The per-step calls travel on the ``Stream`` RPC (one stream for
 commits and releases, one for masks): a unary call costs the service about three times a stream message's CPU.
+
+The scheduler's grammars live in a session it holds (:class:`~services.grammar_session.HeldSession`): when the
+session ends, on either side, the grammars are gone, so a restarted service or a dead scheduler leaves nothing
+behind and nothing the scheduler believes open is missing unnoticed (see :class:`RemoteGrammar`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -28,8 +32,10 @@ from engine.constraint import Constraint
 from engine.grammar_calls import (
     CommitEntry,
     CommitOutcome,
+    GrammarLoss,
     GrammarProtocolError,
     GrammarTimeoutError,
+    GrammarUnavailableError,
     InvalidGrammarError,
     MaskEntry,
     MaskOutcome,
@@ -39,16 +45,19 @@ from engine.grammar_calls import (
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
-from services.grpc_common import outbox_messages
+from services.grammar_session import HeldSession
+from services.grpc_common import SERVICE_CHANNEL_OPTIONS, outbox_messages
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-)
+CHANNEL_OPTIONS = SERVICE_CHANNEL_OPTIONS
 DEFAULT_TIMEOUT_S = 30.0
 STREAM_CLOSE_TIMEOUT_S = 2.0
+# A mask call waits for its reply at most this long past its fence deadline (the service answers at the deadline): a
+# mask of a service that stopped answering fails then, never later.
+MASK_REPLY_MARGIN_S = 2.0
+SESSION_TIMEOUT_S = 2.0  # how long to wait for a session's grant (a service that is down refuses at once)
+VERIFY_TIMEOUT_S = 2.0  # how long the check that the session still holds may take
 
 OpenError = InvalidGrammarError | GrammarTimeoutError | GrammarProtocolError
 
@@ -79,15 +88,21 @@ class GrammarServiceState:
     compile_cache_misses: int
     compile_cache_entries: int
     num_waiting: int
+    num_sessions: int = 0
+    instance_id: str = ""
+    session_held: bool = False
 
 
 # ---------------------------------------------------------------- request building and reply reading
 
 
-def open_request(entries: Sequence[tuple[str, Constraint]], deadline_s: float | None) -> pb.OpenRequest:
+def open_request(
+    entries: Sequence[tuple[str, Constraint]], deadline_s: float | None, session: str = ""
+) -> pb.OpenRequest:
     return pb.OpenRequest(
         entries=[pb.OpenEntry(request_id=rid, constraint=convert.constraint_to_proto(c)) for rid, c in entries],
         deadline_ms=_ms(deadline_s),
+        session=session,
     )
 
 
@@ -129,6 +144,9 @@ def service_state(reply: pb.GrammarState) -> GrammarServiceState:
         compile_cache_misses=reply.compile_cache_misses,
         compile_cache_entries=reply.compile_cache_entries,
         num_waiting=reply.num_waiting,
+        num_sessions=reply.num_sessions,
+        instance_id=reply.instance_id,
+        session_held=reply.session_held,
     )
 
 
@@ -247,10 +265,13 @@ class GrammarClient:
         ``grpc.FutureTimeoutError`` after ``timeout_s``."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
 
-    def open(self, entries: Sequence[tuple[str, Constraint]], deadline_s: float | None = None) -> list[OpenOutcome]:
-        """Compile and open ``(request_id, constraint)`` pairs; ``deadline_s`` bounds the compiles (None: server's)."""
-        reply = self._stub.Open(open_request(entries, deadline_s), timeout=self._timeout_s + (deadline_s or 0))
-        return open_outcomes(reply, entries)
+    def open(
+        self, entries: Sequence[tuple[str, Constraint]], deadline_s: float | None = None, session: str = ""
+    ) -> list[OpenOutcome]:
+        """Compile and open ``(request_id, constraint)`` pairs in ``session`` (empty: none); ``deadline_s`` bounds the
+        compiles (None: the server's)."""
+        request = open_request(entries, deadline_s, session)
+        return open_outcomes(self._stub.Open(request, timeout=self._timeout_s + (deadline_s or 0)), entries)
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         reply = self._stub.Commit(
@@ -267,8 +288,19 @@ class GrammarClient:
         reply = self._stub.Release(pb.ReleaseRequest(request_ids=list(request_ids)), timeout=self._timeout_s)
         return release_outcomes(reply, request_ids)
 
-    def get_state(self) -> GrammarServiceState:
-        return service_state(self._stub.GetState(pb.StateRequest(), timeout=self._timeout_s))
+    def get_state(self, session: str = "", timeout_s: float | None = None) -> GrammarServiceState:
+        """The service's counters; with ``session``, also whether it holds that session."""
+        reply = self._stub.GetState(pb.StateRequest(session=session), timeout=timeout_s or self._timeout_s)
+        return service_state(reply)
+
+    def hold_session(self, number: int, on_end: Callable[[HeldSession, str], None]) -> HeldSession:
+        """Open a new session (not waiting for its grant: see :meth:`HeldSession.wait_granted`)."""
+        return HeldSession(self._stub, number, on_end)
+
+    def reset_commit_stream(self) -> None:
+        """Drop the commit stream: the next commit or release opens a new one (a new session must not inherit the
+        failure of a stream to a service that is gone)."""
+        self._commit_stream.close()
 
     # The per-step calls over the Stream RPC: the same answers as the unary calls above, for the cost of a stream
     # message. They raise GrammarStreamError (not grpc.RpcError) when the stream fails.
@@ -282,7 +314,8 @@ class GrammarClient:
     ) -> MaskRefusals:
         """Fenced masks written straight into ``out`` [N, W] (entry i's rows from ``starts[i]``); the refusals."""
         request = pb.StreamRequest(fill_masks=fill_request(entries, deadline_s))
-        reply = self._mask_stream.exchange(request, self._timeout_s + (deadline_s or 0)).fill_masks
+        wait_s = (deadline_s if deadline_s is not None else self._timeout_s) + MASK_REPLY_MARGIN_S
+        reply = self._mask_stream.exchange(request, wait_s).fill_masks
         return convert.decode_masks_into(reply, entries, out, starts)
 
     def stream_release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
@@ -290,24 +323,42 @@ class GrammarClient:
         return release_outcomes(self._commit_stream.exchange(request, self._timeout_s).release, request_ids)
 
 
-class GrammarServiceError(RuntimeError):
-    """The grammar service cannot be used: unreachable at start, or built for another vocabulary."""
-
-
 class RemoteGrammar:
     """The grammar service as the engine's :class:`~engine.grammar.backend.GrammarBackend`, over a blocking client.
 
     Batched like the engine's calls: one Open per request (from the engine's compile threads), one Commit and one
     FillMasks per step. A failure of a whole call must cost only the constrained requests, never the engine loop:
-    ``open`` raises (that request ends alone), ``fill_masks`` raises (the mask fetcher fails that step's
-    constrained rows), ``commit`` answers every entry INTERNAL (each constrained request ends with a grammar
-    abort) and ``release`` only logs (the grammars died with the service anyway).
+    ``open`` raises (that request ends alone, or waits: GrammarUnavailableError), ``fill_masks`` raises (the mask
+    fetcher fails that step's constrained rows), ``commit`` answers every entry UNAVAILABLE, ``release`` only logs.
+
+    With ``holds_session`` (the scheduler's client) every grammar is opened in a session this client holds. The
+    session ends when its call ends (the service died, restarted or became unreachable) or when a commit or release
+    on it fails (the grammars' states are unknown then; cancelling the call has the service release them): each end
+    is a :class:`GrammarLoss` for :meth:`take_loss`, and the next open holds a new session. The executor's client
+    only reads masks and holds none.
     """
 
-    def __init__(self, client: GrammarClient, open_deadline_s: float | None = None) -> None:
-        """``open_deadline_s`` bounds each compile (None: the service's default)."""
+    def __init__(
+        self,
+        client: GrammarClient,
+        target: str = "",
+        open_deadline_s: float | None = None,
+        holds_session: bool = True,
+        vocab_size: int | None = None,
+    ) -> None:
+        """``open_deadline_s`` bounds each compile (None: the service's default); ``vocab_size``: the model's, which
+        every service instance a session is held with must mask."""
         self._client = client
+        self._target = target
         self._open_deadline_s = open_deadline_s
+        self._holds_session = holds_session
+        self._vocab_size = vocab_size
+        self._session_lock = threading.Lock()  # one session at a time, replaced only under this lock
+        self._session: HeldSession | None = None
+        self._sessions_held = 0
+        self._loss_lock = threading.Lock()
+        self._lost: GrammarLoss | None = None  # the newest session that ended
+        self._taken = 0  # the newest session loss take_loss reported
 
     @classmethod
     def connect(
@@ -316,9 +367,11 @@ class RemoteGrammar:
         timeout_s: float = 60.0,
         vocab_size: int | None = None,
         open_deadline_s: float | None = None,
+        holds_session: bool = True,
     ) -> RemoteGrammar:
-        """Wait (at most ``timeout_s``) until the service at ``target`` answers. With ``vocab_size``, refuse a
-        service whose masks would not cover exactly that many logits (another model's tokenizer)."""
+        """Wait (at most ``timeout_s``) until the service at ``target`` answers, and hold a session with it when
+        ``holds_session``. With ``vocab_size``, refuse a service whose masks would not cover exactly that many
+        logits (another model's tokenizer)."""
         client = GrammarClient(target)
         try:
             client.wait_ready(timeout_s)
@@ -328,31 +381,68 @@ class RemoteGrammar:
             raise GrammarServiceError(f"grammar service at {target} did not answer within {timeout_s:.0f}s") from exc
         if vocab_size is not None and state.vocab_size != vocab_size:
             client.close()
-            raise GrammarServiceError(
-                f"grammar service at {target} masks a vocabulary of {state.vocab_size} tokens but the model has "
-                f"{vocab_size}: start it with the same --model"
-            )
-        return cls(client, open_deadline_s)
+            raise GrammarServiceError(_vocab_mismatch(target, state.vocab_size, vocab_size))
+        grammar = cls(client, target, open_deadline_s, holds_session, vocab_size)
+        if holds_session:
+            try:
+                grammar._current_session()
+            except GrammarUnavailableError as exc:
+                grammar.close()
+                raise GrammarServiceError(str(exc)) from exc
+        return grammar
 
     @property
     def client(self) -> GrammarClient:
         return self._client
 
-    def open(self, request_id: str, constraint: Constraint) -> None:
-        """Compile and open; raises the entry's error (InvalidGrammarError carries xgrammar's reason)."""
-        (outcome,) = self._client.open([(request_id, constraint)], self._open_deadline_s)
-        if outcome.error is not None:
-            raise outcome.error
+    @property
+    def session(self) -> tuple[int, str] | None:
+        """The session held now, as (number, id); None when there is none (not yet, ended, or a client holding none)."""
+        held = self._session
+        return (held.number, held.session_id) if held is not None and held.alive else None
+
+    def open(self, request_id: str, constraint: Constraint) -> int:
+        """Compile and open in the current session (holding a new one if the last ended); its number. Raises the
+        entry's error (InvalidGrammarError carries xgrammar's reason), or GrammarUnavailableError."""
+        session, number = ("", 0)
+        if self._holds_session:
+            held = self._current_session()
+            session, number = held.session_id, held.number
+        try:
+            (outcome,) = self._client.open([(request_id, constraint)], self._open_deadline_s, session)
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise GrammarUnavailableError(f"the Open to {self._target} failed ({_rpc_error(exc)})") from exc
+            raise GrammarProtocolError(Refusal.INTERNAL, f"grammar Open failed: {_rpc_error(exc)}") from exc
+        error = outcome.error
+        if isinstance(error, GrammarProtocolError) and error.code is Refusal.NO_SESSION:
+            raise GrammarUnavailableError(f"the grammar service at {self._target} refused the open: {error}")
+        if error is not None:
+            raise error
+        return number
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
+        """One step's commits. A failed call answers every entry UNAVAILABLE and ends the session. An entry refused
+        RELEASED or UNKNOWN (the scheduler commits only grammars it has not released) has the session checked: when
+        the service no longer holds it (a new instance behind the address), such entries are answered UNAVAILABLE
+        too and the session ends, so those requests end as lost to the service, not as refused by their grammar."""
         if not entries:
             return []
         try:
-            return self._client.stream_commit(entries)
+            outcomes = self._client.stream_commit(entries)
         except GrammarStreamError as exc:
-            message = f"grammar service unavailable: {exc}"
+            message = f"grammar service unavailable: a commit to {self._target} failed ({exc})"
             log.warning("grammar commit of %d entries failed: %s", len(entries), message)
-            return [CommitOutcome(None, Refusal.INTERNAL, message) for _ in entries]
+            self._end_current(f"a commit failed ({exc})")
+            return [CommitOutcome(None, Refusal.UNAVAILABLE, message) for _ in entries]
+        if not any(o.refusal in _GONE for o in outcomes) or not self._holds_session:
+            return outcomes
+        lost = self._verify_session()
+        if lost is None:
+            return outcomes
+        message = f"grammar service unavailable: {lost}; this request's grammar state is gone"
+        return [CommitOutcome(None, Refusal.UNAVAILABLE, message) if o.refusal in _GONE else o for o in outcomes]
 
     def fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
@@ -366,14 +456,120 @@ class RemoteGrammar:
             self._client.stream_release(request_ids)
         except GrammarStreamError as exc:
             log.warning("grammar release of %d ids failed: %s", len(request_ids), exc)
+            self._end_current(f"a release failed ({exc})")  # the service releases them with the session
 
     @property
     def num_open(self) -> int:
         """Grammars open in the service (an RPC: every client of the service counts)."""
         return self._client.get_state().num_open
 
+    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
+        if verify:
+            self._verify_session()
+        with self._loss_lock:
+            lost = self._lost
+            if lost is None or lost.session <= self._taken:
+                return None
+            self._taken = lost.session
+            return lost
+
+    def unavailable(self) -> str | None:
+        try:
+            if self._holds_session:
+                self._current_session()
+            else:
+                self._client.get_state(timeout_s=VERIFY_TIMEOUT_S)
+        except GrammarUnavailableError as exc:
+            return str(exc)
+        except grpc.RpcError as exc:
+            return f"the grammar service at {self._target} does not answer ({_rpc_error(exc)})"
+        return None
+
     def close(self) -> None:
+        with self._session_lock:
+            held, self._session = self._session, None
+        if held is not None:
+            held.close()
         self._client.close()
+
+    # ---------------------------------------------------------------- sessions
+
+    def _current_session(self) -> HeldSession:
+        """The session held now, or a new one (bounded: a service that is down refuses at once)."""
+        with self._session_lock:
+            held = self._session
+            if held is not None and held.alive:
+                return held
+            self._sessions_held += 1
+            fresh = self._client.hold_session(self._sessions_held, self._session_ended)
+            grant = fresh.wait_granted(SESSION_TIMEOUT_S)
+            if grant is None:
+                raise GrammarUnavailableError(
+                    f"the grammar service at {self._target} is unavailable: {fresh.end_reason}"
+                )
+            if self._vocab_size is not None and grant.vocab_size != self._vocab_size:
+                fresh.close()
+                raise GrammarUnavailableError(_vocab_mismatch(self._target, grant.vocab_size, self._vocab_size))
+            self._client.reset_commit_stream()  # a stream of the session before must not answer for this one
+            self._session = fresh
+        log.info(
+            "grammar session %d held with the service at %s (instance %s)",
+            fresh.number,
+            self._target,
+            grant.instance_id,
+        )
+        return fresh
+
+    def _session_ended(self, held: HeldSession, reason: str) -> None:
+        """A session ended (from its watching thread, or here): a loss for the engine to take, recorded once."""
+        with self._loss_lock:
+            if self._lost is not None and self._lost.session >= held.number:
+                return
+            self._lost = GrammarLoss(
+                held.number, f"the session with the grammar service at {self._target} ended: {reason}"
+            )
+        log.warning("grammar session %d lost: %s", held.number, reason)
+
+    def _end_current(self, reason: str) -> None:
+        """End the session held now: recorded as lost, and its call cancelled (the service releases its grammars)."""
+        held = self._session
+        if held is not None and held.alive:
+            self._session_ended(held, reason)
+            held.cancel()
+
+    def _verify_session(self) -> str | None:
+        """Ask the service whether it still holds the current session; end it when not (or when it does not answer),
+        and say why. None: it holds (or no session is held here, and there is nothing to check).
+
+        The session's call usually reports a dead service first, but not always before the executor's masks or a
+        commit do: this turns "a grammar is missing" into a definite answer."""
+        held = self._session
+        if held is None or not held.alive:
+            return None
+        try:
+            state = self._client.get_state(session=held.session_id, timeout_s=VERIFY_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            reason = f"the service does not answer ({_rpc_error(exc)})"
+        else:
+            if state.session_held:
+                return None
+            reason = f"the service (instance {state.instance_id}) does not hold it: it restarted"
+        self._end_current(reason)
+        return f"the session with the grammar service at {self._target} ended: {reason}"
+
+
+class GrammarServiceError(RuntimeError):
+    """The grammar service cannot be used: unreachable at start, or built for another vocabulary."""
+
+
+_GONE = (Refusal.RELEASED, Refusal.UNKNOWN)  # a committed grammar the service does not have (any more)
+
+
+def _vocab_mismatch(target: str, served: int, model: int) -> str:
+    return (
+        f"grammar service at {target} masks a vocabulary of {served} tokens but the model has {model}: start it "
+        "with the same --model"
+    )
 
 
 def _rpc_error(exc: grpc.RpcError) -> str:

@@ -12,6 +12,33 @@ from grpc_reflection.v1alpha import reflection
 
 T = TypeVar("T")
 
+# The internal services' channels (scheduler to executor, scheduler and executor to the grammar service). Keepalive
+# finds a peer that vanished without closing the connection (an idle session call would never notice); a short
+# reconnect backoff and DNS re-resolution reach a restarted peer within a second (under compose, at a new address);
+# steps and mask replies can be large.
+SERVICE_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.dns_min_time_between_resolutions_ms", 1_000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+# Their servers: a session whose peer vanished ends (and releases what it held) once keepalive says so; the clients
+# ping every few seconds, so the servers must tolerate that.
+SERVICE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+
 
 def add_health_and_reflection(
     server: grpc.Server | grpc.aio.Server, service_names: Sequence[str]

@@ -6,7 +6,9 @@ grammar masks from the grammar service), the scheduler (SGLang's public ``Sglang
 the executor and the grammar service) and, unless ``--no-gateway``, the ``smg`` gateway (an OpenAI-compatible HTTP
 API in front of the scheduler). It starts them in that order, each once the one before is ready, prints the
 endpoints and a curl example, and stops everything on Ctrl-C or SIGTERM. A service that dies is reported (name,
-exit code, last lines of its stderr) and the launcher exits non-zero.
+exit code, last lines of its stderr) and restarted on the same port after a backoff, while the others keep serving;
+one that keeps dying (more than ``--max-restarts`` exits within a minute) stops everything and the launcher exits
+non-zero.
 
 The other subcommands run one piece each: ``grammar``, ``executor``, ``scheduler`` and ``gateway`` (what
 docker-compose runs in its containers), ``healthcheck`` (a grpc.health.v1 or HTTP probe) and ``generate`` (the
@@ -46,8 +48,10 @@ from services.flags import (
     model_folder,
 )
 from services.gateway import find_smg, gateway, smg_argv
-from services.probes import healthcheck
+from services.probes import healthcheck, listed_models
 from services.supervisor import (
+    Child,
+    RestartPolicy,
     ServiceFailedError,
     StopRequestedError,
     Supervisor,
@@ -75,6 +79,9 @@ examples:
   ordinal serve                                    # embedded tiny model, gateway on http://127.0.0.1:8000/v1
   ordinal serve --model ~/models/Qwen2.5-0.5B-Instruct --device cuda --dtype bfloat16
   ordinal serve --no-gateway --port 31000          # only the gRPC services
+
+a service that exits is restarted on its port; see docs/architecture.md ("When a service is lost") for what its
+loss does to requests.
 """
 
 # Subcommands that hand their whole command line to another program.
@@ -137,6 +144,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     obs.add_argument(
         "--stop-timeout", type=float, default=15.0, help="seconds each service gets to exit before it is killed"
+    )
+    obs.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy().max_restarts,
+        help="a service that exits is restarted (after 0.5 s, doubling up to 10 s); more than this many exits of one "
+        "service within a minute stops everything (0: never restart, stop at the first exit)",
     )
 
 
@@ -284,14 +298,16 @@ def serve(args: argparse.Namespace) -> int:
             return 0
         print(_banner(endpoints, model_dir), flush=True)
         print(endpoints.ready_line(), flush=True)
-        dead = sup.wait_until_stopped_or_dead()
-        if dead:
-            for child in dead:
-                say(child.death_report())
-            say("stopping the other services")
+        policy = RestartPolicy(max_restarts=args.max_restarts)
+        if sup.supervise(policy, args.startup_timeout, on_ready=_announce_restart) != 0:
             return 1
         say("stopping (signal received)")
         return 0
+
+
+def _announce_restart(child: Child) -> None:
+    """One machine-readable line per restarted service that serves again (scripts and tests read it)."""
+    print(f"ORDINAL_RESTARTED service={child.name} pid={child.pid}", flush=True)
 
 
 def _check_ports(args: argparse.Namespace) -> None:
@@ -301,6 +317,8 @@ def _check_ports(args: argparse.Namespace) -> None:
             raise SystemExit(f"ordinal serve: --{flag.replace('_', '-')} must be in [0, 65535], got {value}")
     if args.metrics_port > 65532:
         raise SystemExit("ordinal serve: --metrics-port needs four ports: use at most 65532")
+    if args.max_restarts < 0:
+        raise SystemExit(f"ordinal serve: --max-restarts must be >= 0, got {args.max_restarts}")
 
 
 def _metrics_ports(args: argparse.Namespace) -> dict[str, int]:
@@ -343,8 +361,8 @@ def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg
             metrics_port=metrics["gateway"] or _free_port(local),  # smg always serves metrics somewhere
             log_level=args.log_level,
         )
-        gateway = sup.launch("gateway", argv)
         gateway_url = f"http://{_hostport(local, gateway_port)}/v1"
+        gateway = sup.launch("gateway", argv, is_ready=lambda _: bool(listed_models(f"{gateway_url}/models")))
         model_id = sup.wait_gateway_models(gateway, gateway_url, args.startup_timeout)
     return Endpoints(
         host=local,
@@ -359,11 +377,20 @@ def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg
 
 
 def _start_grpc_service(sup: Supervisor, name: str, argv: list[str], local: str, timeout: float) -> int:
-    """Start ``python -m services.<name>``; ready = its READY line, then SERVING from grpc.health.v1. Its port."""
+    """Start ``python -m services.<name>``; ready = its READY line, then SERVING from grpc.health.v1. Its port, which
+    a restart reuses (the other services and the clients know it)."""
     child = sup.launch(name, [*_python_module(f"services.{name}"), *argv])
     port = sup.wait_ready_line(child, name.upper(), timeout)
     sup.wait_grpc_serving(child, _hostport(local, port), timeout)
+    child.argv = pinned_port(child.argv, port)
     return port
+
+
+def pinned_port(argv: list[str], port: int) -> list[str]:
+    """``argv`` with the value of its ``--port`` flag set to ``port`` (a service started on port 0 keeps the port it
+    chose across restarts)."""
+    i = argv.index("--port")
+    return [*argv[: i + 1], str(port), *argv[i + 2 :]]
 
 
 def _python_module(module: str) -> list[str]:

@@ -35,22 +35,11 @@ from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
 from services.executor.convert import SESSION_METADATA_KEY
-from services.grpc_common import outbox_messages
+from services.grpc_common import SERVICE_CHANNEL_OPTIONS, outbox_messages
 
 log = logging.getLogger(__name__)
 
-# Short reconnect backoff: after a restart the executor is usable within a second; keepalive finds a
-# vanished executor whose connection never closed.
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-)
+CHANNEL_OPTIONS = SERVICE_CHANNEL_OPTIONS  # a restarted executor is reached within a second
 HEALTH_TIMEOUT_S = 1.0
 CLOSE_TIMEOUT_S = 5.0
 

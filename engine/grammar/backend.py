@@ -16,7 +16,7 @@ from engine.constraint import Constraint
 from engine.grammar.compiler import CompilerConfig, ConstraintCompiler
 from engine.grammar.enforcement import EnforcementObserver
 from engine.grammar.registry import FencedMasks, GrammarRegistry
-from engine.grammar_calls import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals
+from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarLoss, MaskEntry, MaskRefusals
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 
@@ -26,7 +26,8 @@ class LocalGrammar:
 
     Built from a model folder lazily, on the first constrained request, so that an engine that never sees one
     never loads a tokenizer for xgrammar. ``config`` chooses, among others, the default JSON-schema mode;
-    ``observer`` is told how JSON schemas are enforced (metrics)."""
+    ``observer`` is told how JSON schemas are enforced (metrics). Its grammars live as long as the engine: one
+    session (0) that never ends."""
 
     def __init__(
         self,
@@ -50,8 +51,9 @@ class LocalGrammar:
                 self._registry = GrammarRegistry(compiler, observer=self._observer)
             return self._registry
 
-    def open(self, request_id: str, constraint: Constraint) -> None:
+    def open(self, request_id: str, constraint: Constraint) -> int:
         self.registry.open(request_id, constraint, self._compile_timeout_s)
+        return 0
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         return self.registry.commit(entries)
@@ -74,6 +76,12 @@ class LocalGrammar:
     def num_open(self) -> int:
         with self._lock:
             return self._registry.num_open if self._registry is not None else 0
+
+    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
+        return None  # in process, the grammars live and die with the engine
+
+    def unavailable(self) -> str | None:
+        return None
 
     def shutdown(self) -> None:
         with self._lock:

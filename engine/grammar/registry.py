@@ -27,6 +27,7 @@ from engine.constraint import Constraint
 from engine.grammar.compiler import CompiledConstraint, ConstraintCompiler
 from engine.grammar.enforcement import EnforcementObserver, LoggingObserver
 from engine.grammar.matcher import TokenCalls, VersionedMatcher, fill_mask_rows
+from engine.grammar.sessions import NO_SESSION, SessionTable
 from engine.grammar_calls import (
     CommitEntry,
     CommitOutcome,
@@ -73,6 +74,7 @@ class GrammarRegistry:
         self._waiting = 0  # mask entries now waiting at a fence for their commit
         self._fences: set[MaskFence] = set()  # fences in progress: a commit fills the entries it lets through
         self._released: OrderedDict[str, None] = OrderedDict()
+        self._sessions = SessionTable()  # which scheduler session owns which grammar (C9 across a scheduler's death)
         self._token_calls = TokenCalls.holding_gil()
 
     @property
@@ -95,31 +97,63 @@ class GrammarRegistry:
         with self._lock:
             return self._generation
 
+    @property
+    def num_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # ---------------------------------------------------------------- sessions
+
+    def hold_session(self, session: str) -> None:
+        """Start a scheduler's session: grammars opened in it are released with it (:meth:`end_session`)."""
+        with self._lock:
+            self._sessions.hold(session)
+
+    def session_held(self, session: str) -> bool:
+        with self._lock:
+            return self._sessions.held(session)
+
+    def end_session(self, session: str) -> list[str]:
+        """End ``session`` and release every grammar it owns (its scheduler is gone); the ids released."""
+        with self._lock:
+            owned = self._sessions.end(session)
+        self.release(owned)
+        return owned
+
     # ---------------------------------------------------------------- open
 
-    def check_can_open(self, request_id: str) -> None:
-        """Refuse an id before compiling for it: empty (INVALID_ARGUMENT) or open already (ALREADY_OPEN)."""
+    def check_can_open(self, request_id: str, session: str = NO_SESSION) -> None:
+        """Refuse an id before compiling for it: empty (INVALID_ARGUMENT), open already (ALREADY_OPEN), or in a session
+        that is not held (NO_SESSION)."""
         if not request_id:
             raise GrammarProtocolError(Refusal.INVALID_ARGUMENT, "request_id must not be empty")
         with self._lock:
+            self._sessions.check_held(session)
             if request_id in self._open:
                 raise GrammarProtocolError(Refusal.ALREADY_OPEN, f"{request_id}: a grammar is already open")
 
-    def open(self, request_id: str, constraint: Constraint, timeout_s: float) -> VersionedMatcher:
-        """Compile ``constraint`` (cached, at most ``timeout_s``) and open a matcher at ordinal 0 under the id.
+    def open(
+        self, request_id: str, constraint: Constraint, timeout_s: float, session: str = NO_SESSION
+    ) -> VersionedMatcher:
+        """Compile ``constraint`` (cached, at most ``timeout_s``) and open a matcher at ordinal 0 under the id, owned
+        by ``session`` (released with it; the empty id: by an explicit release only).
 
-        Raises InvalidGrammarError, GrammarTimeoutError, or GrammarProtocolError (empty or duplicate id).
+        Raises InvalidGrammarError, GrammarTimeoutError, or GrammarProtocolError (empty or duplicate id, a session
+        that is not held).
         """
-        self.check_can_open(request_id)
-        return self.attach(request_id, self._compiler.compile(constraint, timeout_s))
+        self.check_can_open(request_id, session)
+        return self.attach(request_id, self._compiler.compile(constraint, timeout_s), session)
 
-    def attach(self, request_id: str, compiled: CompiledConstraint) -> VersionedMatcher:
-        """Open a matcher for an already compiled constraint (the id is checked again: opens may race)."""
-        self.check_can_open(request_id)
+    def attach(self, request_id: str, compiled: CompiledConstraint, session: str = NO_SESSION) -> VersionedMatcher:
+        """Open a matcher for an already compiled constraint, owned by ``session``. The id and the session are checked
+        again, under the lock that :meth:`end_session` takes: opens may race, and a session may end while its
+        grammar compiles (its matcher is then never opened, so nothing outlives the session)."""
+        self.check_can_open(request_id, session)
         matcher = VersionedMatcher(compiled, name=f"grammar of {request_id}", calls=self._token_calls)
         with self._lock:
             if request_id in self._open:
                 raise GrammarProtocolError(Refusal.ALREADY_OPEN, f"{request_id}: a grammar is already open")
+            self._sessions.own(session, request_id)
             self._open[request_id] = matcher
             self._released.pop(request_id, None)  # the id names a new grammar now
         if compiled.enforcement is not None:
@@ -283,6 +317,7 @@ class GrammarRegistry:
             matcher = self._open.pop(request_id, None)
             if matcher is None:
                 return Refusal.RELEASED if request_id in self._released else Refusal.UNKNOWN
+            self._sessions.disown(request_id)
             self._released[request_id] = None
             while len(self._released) > self._released_memory:
                 self._released.popitem(last=False)

@@ -11,6 +11,9 @@ grammar service for as long as they take, and nothing another thread calls (``su
 waits for the loop. Those calls hand messages to the loop through a queue and read state the loop publishes
 (a :class:`SchedulerStats` snapshot, replaced whole after every scheduler event), so a service's event loop that
 calls them never stalls behind a wedged executor or grammar service.
+
+When the executor or the grammar service is lost, only the requests that needed it end (UNAVAILABLE); the loop
+goes on, and requests wait a bounded time for the service to come back (engine/scheduler/outages.py).
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from engine.config import EngineConfig
 from engine.constraint import Constraint
 from engine.errors import ExecutorUnavailableError, InvalidRequestError
 from engine.finish import AbortCause, Finish, FinishReason
-from engine.grammar_calls import CommitEntry, GrammarBackend
+from engine.grammar_calls import CommitEntry, GrammarBackend, GrammarUnavailableError
 from engine.grammar_calls import CommitOutcome as GrammarCommitOutcome
 from engine.model.folder import model_dir
 from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.metrics import EngineObserver, NullObserver, RequestTimeline
+from engine.scheduler.outages import ExecutorOutage, GrammarSessions
 from engine.scheduler.request import Request, RequestOutput
 from engine.scheduler.scheduler import CommitOutcome, Scheduler, SchedulerStats, pages_for
 from engine.scheduler.stop import StopChecker
@@ -45,6 +49,8 @@ from engine.step import StepPlan, StepResult, StepRunner
 log = logging.getLogger(__name__)
 
 OutputSink = Callable[[RequestOutput], None]
+
+_GRAMMAR_RETRY_S = 0.25  # between two opens of a grammar while the grammar service is unavailable
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,11 @@ class _Compiling:
 
 @dataclass(frozen=True)
 class _Opened:
-    """Its grammar compiled (``error`` None) or failed to."""
+    """Its grammar compiled and opened in grammar session ``session`` (``error`` None), or failed to."""
 
     request: Request
     error: Exception | None
+    session: int = 0
 
 
 _Message = _Add | _Abort | _Compiling | _Opened
@@ -108,7 +115,9 @@ class Engine:
         self.scheduler = Scheduler(config)  # the loop thread's alone
         self._stats = self.scheduler.stats()  # replaced whole by the loop thread after every scheduler event
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
-        self._opening: dict[str, bool] = {}  # loop thread only: constrained ids compiling -> aborted meanwhile
+        # Constrained ids compiling -> aborted meanwhile. Written by the loop thread only; a compile thread waiting for
+        # the grammar service reads its own entry to stop waiting for an aborted request.
+        self._opening: dict[str, bool] = {}
         self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ordinal-grammar-open")
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -121,6 +130,8 @@ class Engine:
         self._releases: list[Future[None]] = []
         self._inflight: deque[tuple[StepPlan, Future[StepResult]]] = deque()
         self._timeline = RequestTimeline(observer if observer is not None else NullObserver())
+        self._executor_outage = ExecutorOutage(self.runner, config.outage_timeout_s)
+        self._grammar_sessions = GrammarSessions(grammar)
         self._thread = threading.Thread(target=self._run_loop, name="ordinal-scheduler", daemon=True)
         self._thread.start()
 
@@ -142,7 +153,9 @@ class Engine:
 
         Raises :class:`InvalidRequestError` (naming the field) before anything is allocated. A ``constraint`` is
         compiled off the loop before the request is queued; if it does not compile, the only output is a finish
-        with cause INVALID_GRAMMAR carrying xgrammar's reason (no forward ever runs for it).
+        with cause INVALID_GRAMMAR carrying xgrammar's reason (no forward ever runs for it). While the grammar service
+        is unavailable the open is retried until ``outage_timeout_s`` after this call, then the request ends with
+        cause GRAMMAR_SERVICE.
         """
         if self._stopping:
             raise RuntimeError("the engine is shut down")
@@ -165,13 +178,27 @@ class Engine:
         return rid
 
     def _open_grammar(self, request: Request) -> None:
+        """Open the request's grammar (on a compile thread), retrying while the grammar service is unavailable until
+        the request's outage deadline."""
         assert self.grammar is not None and request.constraint is not None
+        deadline = request.queued_at + self.config.outage_timeout_s
         error: Exception | None = None
-        try:
-            self.grammar.open(request.request_id, request.constraint)
-        except Exception as exc:
-            error = exc
-        self._inbox.put(_Opened(request, error))
+        session = 0
+        while True:
+            try:
+                session = self.grammar.open(request.request_id, request.constraint)
+                break
+            except GrammarUnavailableError as exc:
+                # An aborted request stops waiting (the loop marks it; a stale read costs one more retry at most).
+                aborted = self._opening.get(request.request_id, False)
+                if time.monotonic() + _GRAMMAR_RETRY_S > deadline or self._stopping or aborted:
+                    error = exc
+                    break
+                time.sleep(_GRAMMAR_RETRY_S)
+            except Exception as exc:
+                error = exc
+                break
+        self._inbox.put(_Opened(request, error, session))
         self._wake.set()
 
     async def generate(
@@ -284,7 +311,14 @@ class Engine:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._seeds)
         decoder = self.tokenizer if with_text or params.stop else None
         checker = StopChecker(params, self.info.eos_token_ids, decoder)
-        return Request(request_id=rid, prompt_ids=prompt, params=params, stop_checker=checker, seed=seed)
+        return Request(
+            request_id=rid,
+            prompt_ids=prompt,
+            params=params,
+            stop_checker=checker,
+            seed=seed,
+            queued_at=time.monotonic(),
+        )
 
     # ---------------------------------------------------------------- the loop
 
@@ -310,8 +344,11 @@ class Engine:
         while not self._stopping:
             self._wake.clear()  # before draining: a submit after this point wakes the wait below
             self._drain_inbox()
+            self._take_grammar_loss()
             if not inflight and (lost := self.runner.take_loss()) is not None:
                 self._executor_lost(None, lost)  # lost while idle: handle it before planning anything new
+            if not inflight and self._waiting_for_executor():
+                continue
             if not self.config.grammar_overlap and any(e.constrained for p, _ in inflight for e in p.entries):
                 # C4, early commit: the executor will not wait at the grammar fence, so a constrained result still
                 # pending is committed before the next step is planned and launched (at launch none is pending).
@@ -343,6 +380,8 @@ class Engine:
             self._deliver(self.scheduler.fail_step(plan.step_id, f"executor error: {exc}", AbortCause.INTERNAL))
             return
         self._drain_inbox()  # an abort recorded before this commit wins over its result (C7)
+        # So does a grammar session's loss. A row without its mask may be the first sign of one: then ask the service.
+        self._take_grammar_loss(verify=any(run.error is not None for run in result.runs))
         pending = self.scheduler.commit(result)
         outcome = self.scheduler.finish_commit(pending, self._commit_grammar(pending.grammar))
         self._timeline.step_committed(plan, result)
@@ -361,13 +400,38 @@ class Engine:
             return [GrammarCommitOutcome(None, None, f"the grammar service failed: {exc}") for _ in entries]
 
     def _executor_lost(self, step_id: int | None, reason: str) -> None:
-        """The executor session ended: fail every step in flight, then every request (their KV is gone)."""
+        """The executor session ended: fail every step in flight, then every admitted request (their KV is gone).
+        Queued requests wait for an executor to answer again (:meth:`_waiting_for_executor`)."""
         log.warning("executor unavailable (step %s): %s", step_id, reason)
         message = f"executor unavailable: {reason}"
         self._inflight.clear()
         outcome = self.scheduler.executor_lost(message)
         self._releases.clear()  # the lost session took its buffers with it
+        self._executor_outage.lost()
         self._deliver(CommitOutcome(outputs=outcome.outputs, released_grammars=outcome.released_grammars))
+
+    def _waiting_for_executor(self) -> bool:
+        """While the executor is lost and requests wait, plan nothing until it answers (probed, bounded); end the
+        queued requests whose outage timeout ran out. False when planning may go on."""
+        if not self._executor_outage.down or not self.scheduler.stats().num_waiting:
+            return False
+        if self._executor_outage.back():
+            log.info("the executor answers again: planning resumes")
+            return False
+        expiry = self._executor_outage.expiry()
+        if expiry is not None:
+            message = f"executor unavailable: it did not come back within {self.config.outage_timeout_s:g} s"
+            self._deliver(self.scheduler.expire_queued(expiry, message, AbortCause.EXECUTOR))
+        return True
+
+    def _take_grammar_loss(self, verify: bool = False) -> None:
+        """End every request whose grammar lived in a grammar session that ended (UNAVAILABLE); the others go on."""
+        loss = self._grammar_sessions.take_loss(verify)
+        if loss is None:
+            return
+        log.warning("grammar service lost (session %d): %s", loss.session, loss.reason)
+        message = f"grammar service unavailable: {loss.reason}; this request's grammar state is gone"
+        self._deliver(self.scheduler.grammar_lost(loss.session, message))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -415,17 +479,18 @@ class Engine:
     def _opened(self, msg: _Opened) -> None:
         rid = msg.request.request_id
         aborted = self._opening.pop(rid)
+        lost = msg.error is None and self._grammar_sessions.lost(msg.session)  # its session ended meanwhile
         if aborted:
-            if msg.error is None and self.grammar is not None:
+            if msg.error is None and not lost and self.grammar is not None:
                 self.grammar.release([rid])
             self._live.pop(rid, None)
             return
-        if msg.error is not None:
-            cause = AbortCause.INVALID_GRAMMAR if isinstance(msg.error, InvalidRequestError) else AbortCause.GRAMMAR
-            finish = Finish(FinishReason.ABORT, message=str(msg.error), cause=cause)
+        if msg.error is not None or lost:
+            finish = _open_failure(msg.error)
             out = RequestOutput(rid, (), "", 0, len(msg.request.prompt_ids), 0, finish=finish, output_ids=())
             self._deliver(CommitOutcome(outputs=[out]))
             return
+        msg.request.grammar_session = msg.session
         self._deliver(self.scheduler.add(msg.request))
 
     def _publish_stats(self) -> None:
@@ -487,6 +552,19 @@ def _in_process(
         local = LocalGrammar(str(model_dir(config)))
         grammar, close = local, local.shutdown
     return ModelRunner.load(config, grammar), grammar, close
+
+
+def _open_failure(error: Exception | None) -> Finish:
+    """Why a grammar did not open: it does not compile (INVALID_GRAMMAR), the grammar service is unavailable or lost
+    the session it was opened in (``error`` None: GRAMMAR_SERVICE), or another grammar failure (GRAMMAR)."""
+    if error is None:
+        message = "grammar service unavailable: the session this request's grammar was opened in ended"
+        return Finish(FinishReason.ABORT, message=message, cause=AbortCause.GRAMMAR_SERVICE)
+    if isinstance(error, GrammarUnavailableError):
+        message = f"grammar service unavailable: {error}"
+        return Finish(FinishReason.ABORT, message=message, cause=AbortCause.GRAMMAR_SERVICE)
+    cause = AbortCause.INVALID_GRAMMAR if isinstance(error, InvalidRequestError) else AbortCause.GRAMMAR
+    return Finish(FinishReason.ABORT, message=str(error), cause=cause)
 
 
 def _finish_setter(fut: Future[RequestOutput]) -> OutputSink:

@@ -104,6 +104,9 @@ class Request:
       results were committed (C11: only these may enter the prefix cache).
     - ``last_run_start``: the ordinal at which the request's last committed run began (what a decode planned
       while no step of it is in flight builds on, C2); ``sent_pages``: pages the executor has been sent.
+
+    ``queued_at`` (monotonic seconds) is when it was submitted; ``grammar_session`` the grammar backend's session its
+    grammar lives in (it ends with that session, see engine/scheduler/outages.py).
     """
 
     request_id: str
@@ -129,6 +132,8 @@ class Request:
     sent_pages: int = 0
     prefix_counted: bool = False
     grammar_terminated: bool = False
+    grammar_session: int = 0
+    queued_at: float = 0.0
     finish: Finish | None = None
     spec: SpecCounts = field(default_factory=lambda: SpecCounts())
     drafting: RequestSpec = field(default_factory=lambda: RequestSpec())

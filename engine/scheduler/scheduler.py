@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from engine.config import EngineConfig
 from engine.errors import ProtocolError
 from engine.finish import AbortCause, Finish, FinishReason
-from engine.grammar_calls import CommitEntry
+from engine.grammar_calls import CommitEntry, Refusal
 from engine.grammar_calls import CommitOutcome as GrammarCommitOutcome
 from engine.kv.allocator import PageAllocator
 from engine.kv.prefix_cache import RadixNode, RadixPrefixCache
@@ -424,23 +424,43 @@ class Scheduler:
         Every step in flight fails and every admitted request ends with an abort caused by the executor (queued
         ones hold nothing of the executor's and stay queued). Nothing enters
         the prefix cache and everything cached is dropped, since the KV behind it is gone. Released slots are
-        not reported: the executor has no buffers left to free.
+        not reported: the executor has no buffers left to free. Their grammars are (they live in the grammar service).
         """
-        outputs: list[RequestOutput] = []
+        lost = CommitOutcome()
         finish = Finish(FinishReason.ABORT, message=message, cause=AbortCause.EXECUTOR)
         self._kv_lost = True
         try:
             while self._inflight:
-                outputs.extend(self.fail_step(self._inflight[0].plan.step_id, message).outputs)
+                lost.extend(self.fail_step(self._inflight[0].plan.step_id, message))
             for req in list(self._requests.values()):
                 # A queued request holds nothing of the executor's: it waits and runs on the next session.
                 if req.state is not RequestState.QUEUED and not req.finishing:
-                    outputs.extend(self._finish_now(req, finish).outputs)
+                    lost.extend(self._finish_now(req, finish))
         finally:
             self._kv_lost = False
         if self.cache is not None:
             self.cache.evict(self.cache.num_evictable)
-        return CommitOutcome(outputs=outputs)
+        # Their grammars live in the grammar service, not in the executor: they are released as for any finish.
+        return CommitOutcome(outputs=lost.outputs, released_grammars=lost.released_grammars)
+
+    def grammar_lost(self, session: int, message: str) -> CommitOutcome:
+        """The grammar service lost every grammar of its sessions up to ``session``: each request whose grammar lived
+        in one ends with an abort caused by the grammar service (queued or running; the others go on). Its slot and
+        pages go as for any finish (C9); no grammar is reported for release, since they are gone with the session."""
+        outcome = CommitOutcome()
+        for req in list(self._requests.values()):
+            if req.constraint is not None and 0 < req.grammar_session <= session:
+                outcome.extend(self.abort(req.request_id, message, AbortCause.GRAMMAR_SERVICE))
+        outcome.released_grammars.clear()
+        return outcome
+
+    def expire_queued(self, queued_before: float, message: str, cause: AbortCause) -> CommitOutcome:
+        """End every queued request submitted before ``queued_before`` (monotonic seconds) with an abort: it waited
+        as long as it may for a lost service. Queued requests hold nothing, so they go at once."""
+        outcome = CommitOutcome()
+        for req in [r for r in self._waiting if r.queued_at < queued_before]:
+            outcome.extend(self.abort(req.request_id, message, cause))
+        return outcome
 
     # ---------------------------------------------------------------- finish and release (C9)
 
@@ -597,6 +617,8 @@ def _apply_grammar(cut: _Cut, answer: GrammarCommitOutcome) -> None:
     if answer.result is None:
         code = answer.refusal.value if answer.refusal is not None else "error"
         cut.kept, cut.finish = (), _grammar_abort(f"grammar commit refused ({code}): {answer.message}")
+        if answer.refusal is Refusal.UNAVAILABLE:  # the service, not this request's grammar: UNAVAILABLE
+            cut.finish = Finish(FinishReason.ABORT, message=answer.message, cause=AbortCause.GRAMMAR_SERVICE)
         cut.trim_tokens = 0
         return
     accepted = answer.result.accepted

@@ -78,7 +78,8 @@ def connect_grammar(args: argparse.Namespace, config: EngineConfig) -> RemoteGra
         return None
     try:
         vocab = model_vocab_size(model_dir(config))
-        return RemoteGrammar.connect(args.grammar, args.grammar_timeout, vocab_size=vocab)
+        # The executor only reads masks: the grammars belong to the scheduler's session, not to it.
+        return RemoteGrammar.connect(args.grammar, args.grammar_timeout, vocab_size=vocab, holds_session=False)
     except GrammarServiceError as exc:
         raise SystemExit(f"executor: {exc}") from None
 

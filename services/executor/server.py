@@ -27,22 +27,12 @@ from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
 from services.executor.convert import SESSION_METADATA_KEY
 from services.executor.metrics import ExecutorMetrics
-from services.grpc_common import StartedServer, start_serving
+from services.grpc_common import SERVICE_SERVER_OPTIONS, StartedServer, start_serving
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-# Keepalive finds a peer that vanished without closing its connection (network loss): the session then ends
-# and its buffers are dropped. Clients ping every few seconds, so the server must tolerate that.
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-)
+SERVER_OPTIONS = SERVICE_SERVER_OPTIONS
 
 
 @dataclass(frozen=True)

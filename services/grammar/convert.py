@@ -44,7 +44,8 @@ REFUSAL_CODES: dict[Refusal, pb.EntryCode] = {
     Refusal.ALREADY_OPEN: pb.ALREADY_EXISTS,
     Refusal.INVALID_ARGUMENT: pb.INVALID_ARGUMENT,
     Refusal.INTERNAL: pb.INTERNAL,
-}
+    Refusal.NO_SESSION: pb.NO_SESSION,
+}  # Refusal.UNAVAILABLE is the client's own verdict on a call that failed: it never travels
 CODE_REFUSALS: dict[pb.EntryCode, Refusal] = {code: r for r, code in REFUSAL_CODES.items() if r is not Refusal.BEHIND}
 
 _KINDS: dict[ConstraintKind, pb.ConstraintKind] = {

@@ -10,6 +10,10 @@ then polls again (C3); a poll that finds every entry still behind is a few dict 
 
 ``Stream`` carries the same per-step calls as long-lived streams (one per caller): each message is answered in
 order exactly like its unary twin, for the cost of a stream message instead of a whole unary call.
+
+``Session`` is a scheduler's hold on the grammars it opens: the call stays open while the scheduler lives, and when
+it ends (the scheduler stopped, died, or its connection was lost: keepalive finds a peer that vanished) every grammar
+opened in that session is released (C9 across a scheduler's death). Stopping the service ends every session first.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,15 +43,12 @@ from engine.grammar_calls import (
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
-from services.grpc_common import StartedServer, start_serving
+from services.grpc_common import SERVICE_SERVER_OPTIONS, StartedServer, start_serving
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Grammar"].full_name
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-)
+SERVER_OPTIONS = SERVICE_SERVER_OPTIONS
 # Answer this much before the caller's own gRPC deadline, so that a fence timeout arrives as per-entry
 # BEHIND_DEADLINE codes rather than as a DEADLINE_EXCEEDED of the whole call.
 _REPLY_MARGIN_S = 0.05
@@ -111,6 +113,12 @@ class GrammarServicer(pb_grpc.GrammarServicer):
         self._signal = ChangeSignal(asyncio.get_running_loop())
         self.registry = GrammarRegistry(compiler, on_change=self._signal.notify_threadsafe, observer=observer)
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grammar")
+        self.instance_id = uuid.uuid4().hex
+        self._stopping = asyncio.Event()  # set first when the service stops: every Session call then ends
+
+    def end_sessions(self) -> None:
+        """Answer every Session call's end (the service is stopping), so that no call waits for a grace period."""
+        self._stopping.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -130,7 +138,7 @@ class GrammarServicer(pb_grpc.GrammarServicer):
         for i, entry in enumerate(request.entries):
             try:
                 constraint = convert.constraint_from_proto(entry.constraint)
-                self.registry.check_can_open(entry.request_id)
+                self.registry.check_can_open(entry.request_id, request.session)
                 if entry.request_id in claimed:
                     raise GrammarProtocolError(Refusal.ALREADY_OPEN, f"{entry.request_id}: twice in one Open batch")
             except (InvalidRequestError, GrammarProtocolError) as refused:
@@ -164,7 +172,7 @@ class GrammarServicer(pb_grpc.GrammarServicer):
         answers: dict[int, pb.OpenResult] = {}
         for i, grammar in compiled.items():
             try:
-                self.registry.attach(request.entries[i].request_id, grammar)
+                self.registry.attach(request.entries[i].request_id, grammar, request.session)
                 answers[i] = pb.OpenResult(code=pb.OK)
             except Exception as error:
                 answers[i] = _open_error(error)
@@ -248,6 +256,35 @@ class GrammarServicer(pb_grpc.GrammarServicer):
                     grpc.StatusCode.INVALID_ARGUMENT, "a Stream message must carry one of commit, fill_masks, release"
                 )
 
+    # ---------------------------------------------------------------- Session
+
+    async def Session(
+        self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionGrant]:
+        """Hold a scheduler's session until the call ends, then release every grammar it owns (C9)."""
+        session = request.session
+        try:
+            self.registry.hold_session(session)
+        except GrammarProtocolError as refused:
+            code = (
+                grpc.StatusCode.ALREADY_EXISTS
+                if refused.code is Refusal.ALREADY_OPEN
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            await context.abort(code, str(refused))
+        log.info("session %s held", session)
+        how = "the service is stopping"
+        try:
+            vocab = self.registry.compiler.vocab_size
+            yield pb.SessionGrant(session=session, instance_id=self.instance_id, vocab_size=vocab)
+            await self._stopping.wait()
+        except asyncio.CancelledError:
+            how = "its call ended"  # the scheduler closed it, died, or its connection was lost
+            raise
+        finally:
+            released = self.registry.end_session(session)
+            log.info("session %s ended (%s): %d grammars released", session, how, len(released))
+
     async def GetState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> pb.GrammarState:
         compiler = self.registry.compiler
         stats = compiler.stats()
@@ -259,6 +296,9 @@ class GrammarServicer(pb_grpc.GrammarServicer):
             compile_cache_misses=stats.misses,
             compile_cache_entries=stats.entries,
             num_waiting=self.registry.num_waiting,
+            num_sessions=self.registry.num_sessions,
+            instance_id=self.instance_id,
+            session_held=bool(request.session) and self.registry.session_held(request.session),
         )
 
 
@@ -299,6 +339,7 @@ class GrammarServer(StartedServer):
         self.servicer = servicer
 
     async def stop(self, grace: float = 2.0) -> None:
+        self.servicer.end_sessions()  # a Session call never ends on its own: end them, or stopping waits the grace
         await super().stop(grace)
         self.servicer.close()
 

@@ -15,8 +15,9 @@ received, written before the Abort answers. See :meth:`SchedulerServicer.Abort` 
 Status mapping (what the smg gateway turns into HTTP): bad input → INVALID_ARGUMENT naming the proto field,
 before anything is allocated; a constraint xgrammar cannot compile → INVALID_ARGUMENT with xgrammar's reason
 (before any chunk: the engine refuses it before any forward); missing features (and a constraint on a server
-without a grammar service) → UNIMPLEMENTED; the executor lost mid-request → UNAVAILABLE (the gateway retries);
-any other abort (an ``Abort`` RPC, shutdown, a token the grammar refused at commit) → a ``GenerateComplete``
+without a grammar service) → UNIMPLEMENTED; the executor lost mid-request, or the grammar service lost for a
+constrained request (or either one not back within the outage timeout) → UNAVAILABLE naming the service (the gateway
+retries); any other abort (an ``Abort`` RPC, shutdown, a token the grammar refused at commit) → a ``GenerateComplete``
 whose finish_reason is ``"abort"`` (the proto has no field for the reason; it is logged).
 """
 
@@ -59,8 +60,9 @@ _Outputs = Inbox[tuple[int, RequestOutput] | None]  # None: wake up, an Abort RP
 ABORT_FLUSH_S = 1.0  # how long an Abort answer waits for its stream's final messages to be written
 
 
-class ExecutorLostError(Exception):
-    """A sample ended because the executor went away: the RPC ends with UNAVAILABLE, not with a Complete."""
+class ServiceLostError(Exception):
+    """A sample ended because a service it needed (the executor, the grammar service) went away: the RPC ends with
+    UNAVAILABLE, not with a Complete."""
 
 
 class InvalidGrammarError(Exception):
@@ -139,7 +141,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         try:
             rpc.engine_ids = await self._submit(spec, rpc.outputs, context)
             await self._relay(rpc, context)
-        except ExecutorLostError as exc:
+        except ServiceLostError as exc:
             await _refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except InvalidGrammarError as exc:
             await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc.details)
@@ -289,8 +291,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def HealthCheck(
         self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthCheckResponse:
-        healthy, message = await executor_health(self._engine)
-        return pb.HealthCheckResponse(healthy=healthy, message=message)
+        """Healthy while the executor answers; the message also says what is degraded: a grammar service that is
+        unavailable costs only constrained requests, so it does not make the worker unhealthy."""
+        (healthy, executor), grammar = await asyncio.gather(executor_health(self._engine), grammar_health(self._engine))
+        return pb.HealthCheckResponse(healthy=healthy, message=f"{executor}; {grammar}")
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -402,7 +406,9 @@ class _Samples:
         if finish is None or finish.reason is not FinishReason.ABORT:
             return
         if finish.cause is AbortCause.EXECUTOR:
-            raise ExecutorLostError(finish.message or "the executor is unavailable")
+            raise ServiceLostError(finish.message or "the executor is unavailable")
+        if finish.cause is AbortCause.GRAMMAR_SERVICE:
+            raise ServiceLostError(finish.message or "the grammar service is unavailable")
         if finish.cause is AbortCause.INVALID_GRAMMAR:
             raise InvalidGrammarError(convert.invalid_grammar_details(self.spec.constraint_field, finish.message))
 
@@ -498,6 +504,19 @@ async def executor_health(engine: Engine) -> tuple[bool, str]:
     except Exception as exc:  # a failing probe means unhealthy, never a failed health RPC
         return False, f"executor health probe failed: {exc}"
     return healthy, "executor answers" if healthy else "executor does not answer"
+
+
+async def grammar_health(engine: Engine) -> str:
+    """What the grammar service's state means for requests (off the event loop: the probe may wait on the network)."""
+    if engine.grammar is None:
+        return "no grammar service: constrained requests are refused"
+    try:
+        problem = await asyncio.to_thread(engine.grammar.unavailable)
+    except Exception as exc:
+        problem = f"its health probe failed: {exc}"
+    if problem is None:
+        return "grammar service answers"
+    return f"degraded: constrained requests fail with UNAVAILABLE until the grammar service is back ({problem})"
 
 
 def served_model(info: ModelInfo, name: str | None = None) -> ServedModel:

@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.constraint import Constraint
 from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
-from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarBackend, MaskEntry, MaskRefusals
+from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarBackend, GrammarLoss, MaskEntry, MaskRefusals
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
 from engine.scheduler.metrics import EngineObserver, NullObserver, RequestFinished, StepCommitted
@@ -199,11 +199,11 @@ class GrammarProbe:
         self.committing.clear()
         self.proceed_commits.clear()
 
-    def open(self, request_id: str, constraint: Constraint) -> None:
+    def open(self, request_id: str, constraint: Constraint) -> int:
         self.opening.set()
         if not self.proceed.wait(WAIT_S):
             raise TimeoutError("the test never let the grammar compile proceed")
-        self.inner.open(request_id, constraint)
+        return self.inner.open(request_id, constraint)
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         if not self.proceed_commits.is_set():
@@ -225,6 +225,12 @@ class GrammarProbe:
     @property
     def num_open(self) -> int:
         return self.inner.num_open
+
+    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
+        return self.inner.take_loss(verify)
+
+    def unavailable(self) -> str | None:
+        return self.inner.unavailable()
 
     def committed(self, request_id: str) -> list[tuple[int, tuple[int, ...]]]:
         """(from ordinal, tokens) of every commit of ``request_id``'s grammar, in order."""

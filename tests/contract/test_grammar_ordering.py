@@ -30,7 +30,7 @@ from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info
 from engine.grammar.registry import GrammarRegistry
-from engine.grammar_calls import CommitEntry, CommitOutcome, DraftTree, MaskEntry, MaskRefusals, Refusal
+from engine.grammar_calls import CommitEntry, CommitOutcome, DraftTree, GrammarLoss, MaskEntry, MaskRefusals, Refusal
 from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
@@ -465,8 +465,8 @@ class RecordingGrammar:
         self.holds_timed_out = 0
         self._lock = threading.Lock()
 
-    def open(self, request_id: str, constraint: Constraint) -> None:
-        self.inner.open(request_id, constraint)
+    def open(self, request_id: str, constraint: Constraint) -> int:
+        return self.inner.open(request_id, constraint)
 
     def fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
@@ -488,6 +488,12 @@ class RecordingGrammar:
     @property
     def num_open(self) -> int:
         return self.inner.num_open
+
+    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
+        return self.inner.take_loss(verify)
+
+    def unavailable(self) -> str | None:
+        return self.inner.unavailable()
 
     def _record(self, events: list[Event]) -> None:
         with self._lock:

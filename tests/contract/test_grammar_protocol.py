@@ -33,6 +33,7 @@ from engine.grammar_calls import (
     CommitEntry,
     DraftTree,
     GrammarProtocolError,
+    GrammarUnavailableError,
     InvalidGrammarError,
     MaskEntry,
     Refusal,
@@ -42,7 +43,7 @@ from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
 from services.grammar.server import SERVICE_NAME
-from services.grammar_client import GrammarClient, GrammarStreamError, RemoteGrammar
+from services.grammar_client import MASK_REPLY_MARGIN_S, GrammarClient, GrammarStreamError, RemoteGrammar
 from tests.support.grammar_clients import AsyncGrammarClient
 from tests.support.servers import GrammarThread
 
@@ -375,6 +376,110 @@ async def test_the_async_client_answers_the_same_values(target: str, tokens: lis
         assert await client.release([rid]) == [None]
 
 
+# ---------------------------------------------------------------- C9 across a scheduler's death: sessions
+
+# A scheduler in another process: it holds a session, opens two grammars in it, says so, and waits to be killed.
+_SCHEDULER_SCRIPT = """
+import sys, time, grpc
+from protos import grammar_pb2 as pb, grammar_pb2_grpc as pb_grpc
+stub = pb_grpc.GrammarStub(grpc.insecure_channel(sys.argv[1]))
+held = stub.Session(pb.SessionRequest(session="doomed"))
+next(held)
+constraint = pb.Constraint(kind=pb.JSON_SCHEMA, text=sys.argv[2])
+entries = [pb.OpenEntry(request_id=f"doomed-{i}", constraint=constraint) for i in range(2)]
+results = stub.Open(pb.OpenRequest(entries=entries, session="doomed"), timeout=30).results
+assert all(r.code == pb.OK for r in results), results
+print("OPENED", flush=True)
+time.sleep(60)
+"""
+
+
+def _python(args: list[str], stderr: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
+    """A Python process of the repository (a service, a scheduler played by a script), its stdout a text pipe."""
+    command, env = [sys.executable, *args], {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+
+
+def _state(stub: pb_grpc.GrammarStub, session: str = "") -> pb.GrammarState:
+    return stub.GetState(pb.StateRequest(session=session), timeout=WAIT_S)
+
+
+def test_a_killed_schedulers_grammars_are_released_with_its_session(target: str, stub: pb_grpc.GrammarStub) -> None:
+    """C9 across a scheduler's death. A scheduler process holding a session opens two grammars in it and is
+    SIGKILLed (no release, no goodbye): its connection closes, the Session call ends, and the service releases both,
+    while a grammar opened in no session stays until released. Enforced by `self.registry.end_session(session)` in
+    the finally of GrammarServicer.Session; without it both grammars stay open (num_open stays 3)."""
+    unowned = open_one(stub)
+    script = _python(["-c", _SCHEDULER_SCRIPT, target, SCHEMA], stderr=subprocess.PIPE)
+    try:
+        assert script.stdout is not None
+        ready, _, _ = select.select([script.stdout], [], [], 60)
+        assert ready and script.stdout.readline().strip() == "OPENED", script.stderr.read() if script.stderr else ""
+        held = _state(stub, "doomed")
+        assert (held.num_open, held.num_sessions, held.session_held) == (3, 1, True), held
+        script.send_signal(signal.SIGKILL)
+        script.wait(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while _state(stub).num_open != 1:
+            assert time.monotonic() < deadline, "the dead scheduler's grammars were never released"
+            time.sleep(0.02)
+        after = _state(stub, "doomed")
+        assert (after.num_sessions, after.session_held) == (0, False), after
+        assert [r.code for r in masks(stub, [pb.MaskEntry(request_id="doomed-0", ordinal=0)]).results] == [pb.RELEASED]
+    finally:
+        if script.poll() is None:
+            script.kill()
+            script.wait(WAIT_S)
+        release(stub, unowned)
+
+
+def test_an_open_in_a_session_that_is_not_held_is_refused(stub: pb_grpc.GrammarStub) -> None:
+    """An Open naming a session that is not held (it ended, or this instance never granted it: a restart) opens
+    nothing, NO_SESSION per entry, so a grammar can never outlive the session it was meant for. Enforced by
+    `self._sessions.check_held(session)` in GrammarRegistry.check_can_open (and again, under the lock, in attach);
+    without them the grammar opens (OK) and nothing would ever release it."""
+    entry = pb.OpenEntry(request_id=new_id(), constraint=pb.Constraint(kind=pb.JSON_SCHEMA, text=SCHEMA))
+    [result] = stub.Open(pb.OpenRequest(entries=[entry], session="never-held"), timeout=WAIT_S).results
+    assert result.code == pb.NO_SESSION and "never-held" in result.message, result
+    assert _state(stub).num_open == 0
+
+
+def test_a_session_held_twice_is_refused_and_the_first_keeps_holding(target: str, stub: pb_grpc.GrammarStub) -> None:
+    """Two schedulers cannot share a session id: the second Session call is refused ALREADY_EXISTS and the first
+    still owns its grammars; an empty id is INVALID_ARGUMENT. Ending the first call releases them."""
+    with grpc.insecure_channel(target) as first_channel, grpc.insecure_channel(target) as second_channel:
+        first = pb_grpc.GrammarStub(first_channel).Session(pb.SessionRequest(session="twice"))
+        grant = next(first)
+        assert grant.session == "twice" and grant.instance_id and grant.vocab_size > 0
+        rid = new_id()
+        entry = pb.OpenEntry(request_id=rid, constraint=pb.Constraint(kind=pb.JSON_SCHEMA, text=SCHEMA))
+        assert stub.Open(pb.OpenRequest(entries=[entry], session="twice"), timeout=WAIT_S).results[0].code == pb.OK
+        for session, code in (("twice", grpc.StatusCode.ALREADY_EXISTS), ("", grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as refused:
+                next(pb_grpc.GrammarStub(second_channel).Session(pb.SessionRequest(session=session), timeout=WAIT_S))
+            assert refused.value.code() is code, refused.value
+        assert _state(stub, "twice").session_held and _state(stub).num_open == 1
+        first.cancel()
+        deadline = time.monotonic() + WAIT_S
+        while _state(stub).num_open:
+            assert time.monotonic() < deadline, "the cancelled session's grammar was never released"
+            time.sleep(0.02)
+
+
+def test_a_session_that_ends_while_its_grammar_compiles_never_gets_it(server: GrammarThread) -> None:
+    """The race an Open can lose: its session ends between the check before compiling and the attach after it. The
+    attach checks again, under the registry's lock that end_session takes, and refuses (NO_SESSION): the matcher is
+    never opened. Fails if `self._sessions.own(session, request_id)` in GrammarRegistry.attach stops checking."""
+    registry = server.registry
+    registry.hold_session("racing")
+    registry.check_can_open("late", "racing")
+    compiled = registry.compiler.compile(Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA), WAIT_S)
+    assert registry.end_session("racing") == []
+    with pytest.raises(GrammarProtocolError) as refused:
+        registry.attach("late", compiled, "racing")
+    assert refused.value.code is Refusal.NO_SESSION and registry.num_open == 0
+
+
 # ---------------------------------------------------------------- the per-step stream
 
 
@@ -442,22 +547,61 @@ def test_a_lost_service_fails_the_stream_calls_and_remote_grammar_ends_only_cons
     embedded_model_dir: Path,
 ) -> None:
     """A stream whose service is gone raises GrammarStreamError (not a hang); RemoteGrammar turns a failed commit
-    into an INTERNAL answer per entry and a failed release into a log line, as on the unary calls."""
+    into an UNAVAILABLE answer per entry and a failed release into a log line, reports the end of the session its
+    grammar lived in once (take_loss), and refuses a new open as unavailable (the engine retries it)."""
     compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
     served = GrammarThread(compiler)
     client = GrammarClient(f"127.0.0.1:{served.port}", timeout_s=WAIT_S)
     remote = RemoteGrammar(client)
     try:
-        remote.open("gone", Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA))
+        assert remote.open("gone", Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA)) == 1  # in the first session
+        assert remote.take_loss() is None and remote.unavailable() is None
         assert client.stream_release(["never"]) == [Refusal.UNKNOWN]  # the commit stream is open
         served.stop()
         with pytest.raises(GrammarStreamError):
             client.stream_commit([CommitEntry("gone", 0, (1,))])
         [lost] = remote.commit([CommitEntry("gone", 0, (1,))])
-        assert lost.refusal is Refusal.INTERNAL and "unavailable" in lost.message
+        assert lost.refusal is Refusal.UNAVAILABLE and "unavailable" in lost.message
         remote.release(["gone"])  # logged, not raised
+        loss = remote.take_loss()
+        assert loss is not None and loss.session == 1 and "ended" in loss.reason, loss
+        assert remote.take_loss() is None  # reported once
+        with pytest.raises(GrammarUnavailableError):
+            remote.open("next", Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA))
+        assert remote.unavailable() is not None
     finally:
         remote.close()
+        compiler.shutdown()
+
+
+def test_a_mask_of_a_service_that_stops_answering_fails_at_its_deadline(embedded_model_dir: Path) -> None:
+    """C3 from the executor's side of a dead service: its mask call waits for a reply at most the fence deadline plus
+    MASK_REPLY_MARGIN_S, then fails (the step's constrained rows end, each with its request's abort), never at the
+    call's 30 s timeout, however silent the service. Enforced by `wait_s = (deadline_s ...) + MASK_REPLY_MARGIN_S` in
+    GrammarClient.stream_fill_masks_into; with the former `self._timeout_s + deadline_s` the call takes 30.5 s."""
+    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
+    served = GrammarThread(compiler)
+    target = f"127.0.0.1:{served.port}"
+    masks_client = RemoteGrammar.connect(target, WAIT_S, holds_session=False)  # the executor's client
+    out = torch.zeros((1, compiler.words_per_row), dtype=torch.int32)  # [1, W]
+    try:
+        with GrammarClient(target, timeout_s=WAIT_S) as client:
+            [opened] = client.open([("silent", Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA))])
+            assert opened.ok
+            assert masks_client.fill_masks_into([MaskEntry("silent", 0)], 0.5, out, [0]) == {}  # the stream is up
+            thaw = served.freeze()
+            try:
+                started = time.monotonic()
+                with pytest.raises(GrammarStreamError, match=r"did not answer within 2\.5 s"):
+                    masks_client.fill_masks_into([MaskEntry("silent", 0)], 0.5, out, [0])
+                took = time.monotonic() - started
+            finally:
+                thaw.set()
+            assert 0.5 + MASK_REPLY_MARGIN_S - 0.1 <= took < 0.5 + MASK_REPLY_MARGIN_S + 2.0, took
+            assert client.release(["silent"]) == [None]
+    finally:
+        masks_client.close()
+        served.stop()
         compiler.shutdown()
 
 
@@ -508,15 +652,7 @@ def test_the_service_process_serves_and_stops_on_sigterm(embedded_model_dir: Pat
     """`python -m services.grammar` prints its ready line with the bound port, serves, and exits 0 on SIGTERM.
     Enforced by `loop.add_signal_handler(sig, stop.set)` in services.grammar.__main__.serve; without it SIGTERM
     kills the process (return code -15)."""
-    command = [sys.executable, "-m", "services.grammar", "--port", "0", "--model", str(embedded_model_dir)]
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    process = _python(["-m", "services.grammar", "--port", "0", "--model", str(embedded_model_dir)])
     try:
         assert process.stdout is not None
         ready, _, _ = select.select([process.stdout], [], [], 60)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import time
 import zipfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +32,13 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.config import EngineConfig
-from engine.errors import ExecutorUnavailableError
 from engine.executor.runner import ModelRunner
-from engine.model_info import ModelInfo
 from engine.scheduler.engine import Engine
-from engine.step import StepPlan, StepResult
 from services.scheduler.servicer import SERVICE_NAME
 from services.scheduler.tokenizer_zip import tokenizer_chunks
 from tests.e2e.stack import wait_for
 from tests.helpers import serve_scheduler, smg_params, smg_request
+from tests.support.runners import LosableRunner
 
 TIMEOUT = 30.0
 
@@ -292,37 +292,8 @@ def test_reflection_lists_the_services(channel: grpc.Channel) -> None:
 # ------------------------------------------------------------------------------------------ executor loss
 
 
-class _LosableRunner:
-    """The real in-process runner, plus a switch that makes it behave like an executor whose session ended:
-    every later step fails with ExecutorUnavailableError and the health probe says no."""
-
-    def __init__(self, inner: ModelRunner) -> None:
-        self._inner = inner
-        self.info: ModelInfo = inner.info
-        self.lost = False
-
-    def launch(self, plan: StepPlan) -> Future[StepResult]:
-        if not self.lost:
-            return self._inner.launch(plan)
-        failed: Future[StepResult] = Future()
-        failed.set_exception(ExecutorUnavailableError("executor session ended (test)"))
-        return failed
-
-    def release(self, slots: Any) -> Future[None]:
-        return self._inner.release(slots)
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
-
-    def healthy(self) -> bool:
-        return not self.lost and self._inner.healthy()
-
-    def take_loss(self) -> str | None:
-        return None  # the loss is reported through the failing launches
-
-
 def test_executor_loss_ends_the_stream_unavailable_and_health_says_so(config: EngineConfig) -> None:
-    runner = _LosableRunner(ModelRunner.load(config))
+    runner = LosableRunner(ModelRunner.load(config))
     with Engine(config, runner) as engine, serve_scheduler(engine) as ch:
         stub = pb_grpc.SglangSchedulerStub(ch)
         call = stub.Generate(
@@ -334,6 +305,35 @@ def test_executor_loss_ends_the_stream_unavailable_and_health_says_so(config: En
         assert err.code() is grpc.StatusCode.UNAVAILABLE and "executor" in (err.details() or "")
         assert not stub.HealthCheck(pb.HealthCheckRequest(), timeout=TIMEOUT).healthy
         _wait_health(ch, SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert engine.wait_idle(TIMEOUT)
+
+
+def test_requests_wait_for_a_lost_executor_until_their_outage_timeout(config: EngineConfig) -> None:
+    """While the executor is lost nothing is planned: a request sent then waits, queued, and ends UNAVAILABLE once it
+    has waited the outage timeout (1 s here); one sent once the executor answers again runs, and one sent while it is
+    down runs too if it comes back in time. Fails if the loop plans while the executor is down (the request fails at
+    once, at its first launch) or never expires a waiting request (the RPC hangs to its deadline)."""
+    runner = LosableRunner(ModelRunner.load(config))
+    with Engine(replace(config, outage_timeout_s=1.0), runner) as engine, serve_scheduler(engine) as ch:
+        stub = pb_grpc.SglangSchedulerStub(ch)
+        call = stub.Generate(_request([3, 4, 5], "lost", True, max_new_tokens=900, ignore_eos=True), timeout=TIMEOUT)
+        assert next(call).HasField("chunk")
+        runner.lost = True
+        assert _error(lambda: list(call)).code() is grpc.StatusCode.UNAVAILABLE
+
+        sent = time.monotonic()
+        err = _error(lambda: _collect(stub, _request([3, 4, 5], "late")))
+        waited = time.monotonic() - sent
+        assert err.code() is grpc.StatusCode.UNAVAILABLE, err
+        assert "did not come back within 1 s" in (err.details() or ""), err.details()
+        assert 1.0 <= waited < TIMEOUT / 2, waited
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            waiting = pool.submit(_collect, stub, _request([3, 4, 5], "in-time"))
+            wait_for(lambda: engine.stats().num_waiting == 1, TIMEOUT, "the request sent while down queued")
+            runner.come_back()
+            assert waiting.result(TIMEOUT)[-1].complete.finish_reason == "length"
+        assert _collect(stub, _request([3, 4, 5], "back"))[-1].complete.finish_reason == "length"
         assert engine.wait_idle(TIMEOUT)
 
 

@@ -38,7 +38,7 @@ def split_stack(config: EngineConfig, grammar: str, executor_grammar: str | None
     """Executor and scheduler over gRPC, both on the grammar service ``grammar`` (the executor on
     ``executor_grammar`` instead when given)."""
     vocab = load_vocab_size(config)
-    masks = RemoteGrammar.connect(executor_grammar or grammar, TIMEOUT, vocab_size=vocab)
+    masks = RemoteGrammar.connect(executor_grammar or grammar, TIMEOUT, vocab_size=vocab, holds_session=False)
     runner = ModelRunner.load(config, masks)
     executor = ExecutorThread(runner)
     target = f"127.0.0.1:{executor.port}"

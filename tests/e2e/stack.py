@@ -1,7 +1,7 @@
 """Helpers for end-to-end tests that run the services as real processes on loopback.
 
 ``start_serve`` runs ``ordinal serve`` (the launcher) as a user would and reads its ``ORDINAL_READY`` line;
-``ExecutorProcess`` runs ``python -m services.executor`` alone, so a test can SIGKILL and restart it. Every wait
+``ExecutorProcess`` and ``GrammarProcess`` run one service alone, so a test can SIGKILL and restart it. Every wait
 is bounded; ``wait_for`` is the one polling loop, and ``wait_for_idle_load`` polls the scheduler's ``GetLoads``
 until nothing runs, waits or holds KV.
 """
@@ -17,11 +17,12 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TypeVar
 
+import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -111,6 +112,21 @@ def greedy_request(
     return smg_request(ids, request_id, stream, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
 
 
+def read_until_unavailable(call: Iterator[pb.GenerateResponse], started: float, bound_s: float) -> str:
+    """Read a ``Generate`` stream to its end: it must fail with UNAVAILABLE within ``bound_s`` of ``started``, after
+    chunks only (never a Complete: the request did not end, it was lost). Returns the status details."""
+    try:
+        for reply in call:
+            assert reply.HasField("chunk"), reply
+    except grpc.RpcError as error:
+        took = time.monotonic() - started
+        assert isinstance(error, grpc.Call)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, (error.code(), error.details())
+        assert took < bound_s, f"the RPC took {took:.1f} s to end after the service went away"
+        return str(error.details())
+    raise AssertionError("the stream ended normally: it should have failed with UNAVAILABLE")
+
+
 def prometheus_samples(url: str, timeout: float = 10.0) -> dict[str, float]:
     """The samples of a Prometheus text page, keyed by ``name{labels}`` as written."""
     with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -161,11 +177,19 @@ def _read_ready_line(lines: queue.SimpleQueue[str | None], prefix: str, timeout:
 
 @dataclass
 class ServeStack:
-    """A running ``ordinal serve`` and what its READY line said."""
+    """A running ``ordinal serve``, what its READY line said, and its later stdout lines (``ORDINAL_RESTARTED``)."""
 
     proc: subprocess.Popen[str]
     stderr_path: Path
     fields: dict[str, str]
+    stdout: queue.SimpleQueue[str | None]
+
+    def wait_line(self, prefix: str, timeout: float) -> str:
+        """The next stdout line starting with ``prefix`` (bounded: fails the test after ``timeout``)."""
+        line = _read_ready_line(self.stdout, prefix, timeout)
+        if line is None:
+            raise AssertionError(f"no {prefix!r} line within {timeout:.0f} s; stderr:\n{self.stderr()[-4000:]}")
+        return line
 
     @property
     def pids(self) -> dict[str, int]:
@@ -221,23 +245,19 @@ def start_serve(log_path: Path, model_dir: Path, *flags: str, ready_timeout: flo
         tail = log_path.read_text(errors="replace")[-4000:]
         raise AssertionError(f"ordinal serve not ready (exit code {proc.returncode}); stderr:\n{tail}")
     fields = dict(part.split("=", 1) for part in line.split()[1:])
-    return ServeStack(proc, log_path, fields)
+    return ServeStack(proc, log_path, fields, lines)
 
 
-class ExecutorProcess:
-    """``python -m services.executor`` as a child process; ready once it prints ``EXECUTOR_READY port=N``.
+class ServiceProcess:
+    """``python -m services.<name>`` as a child process; ready once it prints ``<NAME>_READY port=N``.
 
     ``port`` 0 lets it pick one; pass an earlier instance's port to restart it at the same address."""
 
-    def __init__(
-        self, model_dir: Path, page_size: int, num_pages: int, port: int, log_path: Path, timeout: float = 120.0
-    ) -> None:
-        args = ["--model", str(model_dir), "--page-size", str(page_size), "--num-pages", str(num_pages)]
-        args += ["--port", str(port), "--metrics-port", "0"]
+    def __init__(self, name: str, args: list[str], port: int, log_path: Path, timeout: float = 120.0) -> None:
         self.log_path = log_path
         with log_path.open("a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.executor", *args],
+                [sys.executable, "-m", f"services.{name}", *args, "--port", str(port), "--metrics-port", "0"],
                 cwd=REPO,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -247,11 +267,12 @@ class ExecutorProcess:
         lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         assert self.proc.stdout is not None
         threading.Thread(target=_pump, args=(self.proc.stdout, lines), daemon=True).start()
-        line = _read_ready_line(lines, "EXECUTOR_READY port=", timeout)
+        prefix = f"{name.upper()}_READY port="
+        line = _read_ready_line(lines, prefix, timeout)
         if line is None:
             self.kill()
             tail = log_path.read_text(errors="replace")[-4000:]
-            raise AssertionError(f"the executor process did not get ready; its log:\n{tail}")
+            raise AssertionError(f"the {name} process did not get ready; its log:\n{tail}")
         self.port = int(line.split("=", 1)[1])
 
     @property
@@ -273,3 +294,20 @@ class ExecutorProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             raise
+
+
+class ExecutorProcess(ServiceProcess):
+    """The executor service as a child process (see :class:`ServiceProcess`)."""
+
+    def __init__(
+        self, model_dir: Path, page_size: int, num_pages: int, port: int, log_path: Path, timeout: float = 120.0
+    ) -> None:
+        args = ["--model", str(model_dir), "--page-size", str(page_size), "--num-pages", str(num_pages)]
+        super().__init__("executor", args, port, log_path, timeout)
+
+
+class GrammarProcess(ServiceProcess):
+    """The grammar service as a child process (see :class:`ServiceProcess`)."""
+
+    def __init__(self, model_dir: Path, port: int, log_path: Path, timeout: float = 120.0) -> None:
+        super().__init__("grammar", ["--model", str(model_dir)], port, log_path, timeout)

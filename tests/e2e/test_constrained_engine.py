@@ -28,7 +28,7 @@ from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info
 from engine.grammar.registry import FencedMasks
-from engine.grammar_calls import CommitEntry, CommitOutcome, MaskEntry, MaskRefusals, words_per_row
+from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarLoss, MaskEntry, MaskRefusals, words_per_row
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
 from engine.scheduler.request import RequestOutput
@@ -55,8 +55,8 @@ class DelegatingGrammar:
     def __init__(self, inner: LocalGrammar) -> None:
         self.inner = inner
 
-    def open(self, request_id: str, constraint: Constraint) -> None:
-        self.inner.open(request_id, constraint)
+    def open(self, request_id: str, constraint: Constraint) -> int:
+        return self.inner.open(request_id, constraint)
 
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         return self.inner.commit(entries)
@@ -72,6 +72,12 @@ class DelegatingGrammar:
     @property
     def num_open(self) -> int:
         return self.inner.num_open
+
+    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
+        return self.inner.take_loss(verify)
+
+    def unavailable(self) -> str | None:
+        return self.inner.unavailable()
 
 
 class FencingGrammar(DelegatingGrammar):

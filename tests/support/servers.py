@@ -122,6 +122,13 @@ class GrammarThread:
     def registry(self) -> GrammarRegistry:
         return self.server.servicer.registry
 
+    def freeze(self, timeout: float = 30.0) -> threading.Event:
+        """Block the service's event loop until the returned event is set (at most ``timeout``): the service then
+        answers nothing, as a stopped process or a stalled host, while its connections stay open."""
+        thaw = threading.Event()
+        self._loop.call_soon_threadsafe(thaw.wait, timeout)
+        return thaw
+
     def stop(self, grace: float = 1.0) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(self._timeout)
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -3,7 +3,8 @@
 Each service's command must parse with the parser that will actually read it (the launcher's for ``ordinal``
 subcommands; the service module's own for ``ordinal grammar`` / ``ordinal executor`` / ``ordinal scheduler``, which
 exec it), the ports must agree across services, healthchecks and publications, and startup must be ordered by
-health: grammar, executor, scheduler, gateway.
+health: grammar, executor, scheduler, gateway. Every service is restarted when it dies, as ``ordinal serve`` restarts
+its children.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import yaml
 
 from services.flags import engine_config
 from services.launcher import build_parser
+from services.supervisor import RestartPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 ORDER = ("grammar", "executor", "scheduler", "gateway")
@@ -109,6 +111,21 @@ def test_startup_is_ordered_by_health(services: dict[str, dict[str, Any]]) -> No
     assert services["executor"]["depends_on"] == {"grammar": {"condition": "service_healthy"}}
     assert services["scheduler"]["depends_on"] == {"executor": {"condition": "service_healthy"}}
     assert services["gateway"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
+
+
+def test_every_service_is_restarted_when_it_dies_as_the_launcher_restarts_it(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Docker's ``on-failure:N``: a container that exits non-zero (killed, crashed) is restarted with a doubling delay,
+    at most N failed times in a row, the launcher's cap (``ordinal serve --max-restarts``); a clean stop (exit 0) is
+    not undone. Fails if a service has no restart policy, or one that would restart a stopped service or never stop
+    retrying."""
+    serve = build_parser().parse_args(["serve"])
+    assert serve.max_restarts == RestartPolicy().max_restarts > 0
+    for name in ORDER:
+        policy = services[name].get("restart")
+        assert policy == f"on-failure:{serve.max_restarts}", (name, policy)
+        assert "restart_policy" not in services[name].get("deploy", {}), "one policy per service, not two"
 
 
 def test_healthchecks_probe_each_service_on_its_port(services: dict[str, dict[str, Any]]) -> None:

@@ -32,7 +32,7 @@ from services.flags import (
 )
 from services.gateway import smg_argv
 from services.launcher import Endpoints, _metrics_ports, build_parser, main
-from services.supervisor import ServiceFailedError, StopRequestedError, StopSignal, Supervisor
+from services.supervisor import RestartPolicy, ServiceFailedError, StopRequestedError, StopSignal, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,6 +72,8 @@ def test_engine_argv_round_trips_every_engine_flag() -> None:
         "--no-prefix-cache",
         "--grammar-overlap",
         "off",
+        "--outage-timeout",
+        "7.5",
     ]
     parser = _engine_parser()
     args = parser.parse_args(flags)
@@ -88,6 +90,7 @@ def test_engine_argv_round_trips_every_engine_flag() -> None:
         overlap=False,
         prefix_cache=False,
         grammar_overlap=False,
+        outage_timeout_s=7.5,
     )
 
 
@@ -295,14 +298,14 @@ def test_supervisor_startup_wait_is_bounded() -> None:
     assert child.exited() is not None
 
 
-def test_supervisor_watch_returns_the_dead_child_with_its_signal() -> None:
+def test_supervisor_with_restarts_off_stops_at_the_first_death_and_reports_its_signal() -> None:
     with Supervisor(StopSignal(), stop_timeout=5) as sup:
         child = sup.launch("executor", _script(READY_THEN_WAIT))
         sup.wait_ready_line(child, "FAKE", timeout=30)
         assert child.proc is not None
         child.proc.kill()
-        dead = sup.wait_until_stopped_or_dead()
-    assert dead == [child]
+        assert sup.supervise(RestartPolicy(max_restarts=0), startup_timeout=30) == 1
+    assert sup.pids() == {"executor": child.pid}, "not restarted"
     assert "killed by SIGKILL" in child.death_report()
 
 

@@ -215,6 +215,61 @@ def test_executor_lost_aborts_everything_and_drops_the_cache() -> None:
     assert s.abort("queued").outputs and s.stats().num_running == 0
 
 
+def _constrained(rid: str, session: int, n_prompt: int = 5) -> Request:
+    req = _req(rid, n_prompt, max_new=5)
+    req.constraint, req.grammar_session = REGEX, session
+    return req
+
+
+def test_executor_lost_releases_the_grammars_of_the_requests_it_ends() -> None:
+    """A request the executor's loss ends is finished like any other for the grammar service: its grammar is released.
+    Fails if Scheduler.executor_lost keeps only the outputs of its finishes (as it did until the chaos test caught the
+    grammar service holding their matchers forever)."""
+    s = _sched()
+    s.add(_constrained("running", session=1))
+    assert s.plan() is not None
+    s.add(_constrained("queued", session=1))
+    s.add(_req("free", 5))  # queued, like "queued": nothing planned them yet
+    out = s.executor_lost("executor unavailable: gone")
+    assert [o.request_id for o in out.outputs] == ["running"] and out.released_grammars == ["running"]
+
+
+def test_a_lost_grammar_session_ends_only_the_requests_whose_grammar_lived_there() -> None:
+    """Running or queued, a request whose grammar lived in a lost session ends with an abort caused by the grammar
+    service, its slot and pages freed once no step names it (C9), and no grammar release asked of a service that lost
+    them; a request in a later session, and one without a grammar, go on. Fails if Scheduler.grammar_lost compares
+    sessions the other way or skips queued requests."""
+    s = _sched(max_running=2)
+    running = _constrained("old-running", session=1)
+    s.add(running)
+    s.add(_req("free", 5))
+    plan = s.plan()
+    assert plan is not None and len(plan.entries) == 2
+    s.add(_constrained("old-queued", session=1))
+    s.add(_constrained("new", session=2))
+    out = s.grammar_lost(1, "grammar service unavailable: gone")
+    ended = {o.request_id: o.finish for o in out.outputs}
+    assert set(ended) == {"old-running", "old-queued"}, ended
+    assert all(f is not None and f.cause is AbortCause.GRAMMAR_SERVICE for f in ended.values())
+    assert out.released_grammars == [] and out.released_slots == []  # "old-running" is still in the step
+    slot = running.slot
+    assert _commit(s, _result(plan)).released_slots == [slot]  # its slot goes once the step retired
+    assert s.has_request("new") and s.has_request("free") and not s.has_request("old-queued")
+
+
+def test_expired_queued_requests_end_and_the_others_keep_waiting() -> None:
+    s = _sched()
+    early, late = _req("early", 5), _req("late", 5)
+    early.queued_at, late.queued_at = 10.0, 20.0
+    s.add(early)
+    s.add(late)
+    out = s.expire_queued(15.0, "executor unavailable: it did not come back within 5 s", AbortCause.EXECUTOR)
+    assert [(o.request_id, o.finish.cause if o.finish else None) for o in out.outputs] == [
+        ("early", AbortCause.EXECUTOR)
+    ]
+    assert s.stats().num_waiting == 1 and s.has_request("late")
+
+
 # ---------------------------------------------------------------------------------------------------- runs (v2)
 
 REGEX = Constraint(ConstraintKind.REGEX, "(yes|no)+")
