@@ -337,6 +337,62 @@ def test_draft_tree_masks_over_the_wire(stub: pb_grpc.GrammarStub, tokens: list[
     assert release(stub, rid) == [pb.OK]
 
 
+def test_draft_masks_at_a_stale_or_future_ordinal_are_never_answered_from_another_state(
+    stub: pb_grpc.GrammarStub, tokens: list[int]
+) -> None:
+    """C3 for speculation: a draft's masks are answered only at the ordinal the executor's step builds on. A stale
+    draft (the grammar moved on) is refused AHEAD with no rows; a future one waits at the fence, fails at its
+    deadline with no rows, and once the commit reaches its ordinal is answered with the rows of that state.
+    Enforced by `self._check_mask(at_ordinal)` in VersionedMatcher.fill_draft_masks; without it the stale draft is
+    answered OK from ordinal 2's state (the first assertion fails)."""
+    rid = open_one(stub)
+    commit(stub, rid, 0, tokens[:2])
+    chain = pb.DraftTree(tokens=tokens[2:4], parents=[-1, 0])
+    stale = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=1, draft=chain)])
+    assert stale.results[0].code == pb.AHEAD and not stale.results[0].row_refs and not stale.rows
+    future = pb.DraftTree(tokens=tokens[3:5], parents=[-1, 0])
+    late = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=3, draft=future)], deadline_ms=200)
+    assert late.results[0].code == pb.BEHIND_DEADLINE and not late.results[0].row_refs and not late.rows
+    assert commit(stub, rid, 2, tokens[2:3]).new_ordinal == 3
+    answered = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=3, draft=future)])
+    plain = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=3)])
+    assert answered.results[0].code == pb.OK and len(answered.results[0].row_refs) == 3
+    assert answered.rows[answered.results[0].row_refs[0]] == mask_row(plain), "row 0 is not the mask at ordinal 3"
+    assert release(stub, rid) == [pb.OK]
+
+
+def test_a_tree_with_terminating_and_refused_nodes_leaves_the_committed_state_unchanged(
+    stub: pb_grpc.GrammarStub, tokens: list[int], tokenizer: Tokenizer
+) -> None:
+    """C5 through the service: the traversal of a tree that ends the grammar on one branch (the stop token) and
+    is refused on another leaves the committed state as it was: the plain mask is the same before and after,
+    and the real continuation then commits and terminates. Rows after the stop token and under the refused node
+    allow nothing. Enforced by the rollback inside xgrammar's `traverse_draft_tree` (VersionedMatcher never feeds
+    draft tokens); a traversal that leaves a node fed (checked with `self._matcher.accept_token(int(tokens[1]))`
+    added after the walk in fill_draft_masks) changes the plain mask: the before/after comparison fails."""
+    rid = open_one(stub)
+    last = len(tokens) - 1
+    commit(stub, rid, 0, tokens[:last])
+    eos, bad = min(tokenizer.eos_token_ids), tokenizer.encode("x")[0]
+    # node 0: the closing token; 1: the stop token under it; 2: a token after the stop; 3: a refused sibling of
+    # node 0; 4: a node under the refused one.
+    tree = pb.DraftTree(tokens=[tokens[last], eos, tokens[0], bad, tokens[0]], parents=[-1, 0, 1, -1, 3])
+    before = mask_row(masks(stub, [pb.MaskEntry(request_id=rid, ordinal=last)]))
+    reply = masks(stub, [pb.MaskEntry(request_id=rid, ordinal=last, draft=tree)])
+    [result] = reply.results
+    assert result.code == pb.OK and len(result.row_refs) == 6
+    rows = [reply.rows[ref] for ref in result.row_refs]
+    assert rows[0] == before
+    after_close = torch.frombuffer(bytearray(rows[1]), dtype=torch.int32)
+    assert (int(after_close[eos // 32]) >> (eos % 32)) & 1, "the stop token is allowed after the closing token"
+    for node in (2, 3, 4, 5):
+        assert not any(rows[node]), f"row {node} allows a token, but nothing can follow it"
+    assert mask_row(masks(stub, [pb.MaskEntry(request_id=rid, ordinal=last)])) == before
+    done = commit(stub, rid, last, [tokens[last], eos])
+    assert (done.code, done.terminated) == (pb.OK, True)
+    assert release(stub, rid) == [pb.OK]
+
+
 def test_client_returns_engine_values(target: str, tokens: list[int]) -> None:
     """The sync and async clients: typed per-entry results, masks as int32 [R, W] tensors. Enforced (for the
     typed Open error) by the INVALID_ARGUMENT branch of grammar_client._open_outcome; without it the bad grammar
