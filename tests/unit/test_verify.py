@@ -245,3 +245,32 @@ def test_greedy_under_a_mask_takes_the_best_allowed_token() -> None:
     allowed = ROOT.clone()
     allowed[a] = float("-inf")
     assert verdict.path == () and verdict.token_ids == (int(allowed.argmax()),)
+
+
+def test_draft_runs_trimmed_to_different_lengths_each_get_their_own_mask_rows() -> None:
+    """One batch of greedy requests whose drafts were trimmed to different lengths (4, 1 and 2 nodes): each row of
+    the bitmask allows exactly one token, different per request and node, so every emitted token shows whose row
+    it was verified with; a plain entry's row sits after each. Fails if an item reads another item's rows (vLLM's
+    mask-rows-after-trimming fault): checked with `bitmask[: len(used)]` (rows taken as packed per verified node, not
+    per logits row) in place of the index_select in Verifier._processed, the second and third items emit (0,), (0, 5)."""
+    sampler = Sampler(V, "cpu")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+    # (draft chain, the one token each row allows: the root's row, then one per node) and what must come out.
+    cases = [
+        ((1, 2, 3, 4), (1, 2, 3, 5, 0), (1, 2, 3, 5)),  # node 3's token 4 is banned: three accepted, then 5
+        ((2,), (2, 0), (2, 0)),  # the whole run accepted, the bonus token masked too
+        ((0, 0), (4, 1, 1), (4,)),  # the first draft token is banned: nothing accepted
+    ]
+    items, rows, words, offset = [], [], [], 0
+    for i, (draft, allowed, _) in enumerate(cases):
+        tree = DraftTree.chain(draft)
+        items.append(VerifyItem(_state(greedy, i), tree, None, offset))
+        rows.append(torch.randn(tree.num_rows, V, generator=torch.Generator().manual_seed(i)))  # [1 + m, V]
+        words += [1 << token for token in allowed]
+        rows.append(torch.randn(1, V, generator=torch.Generator().manual_seed(10 + i)))  # [1, V] a plain entry's row
+        words.append(-1)  # between the items, as plain entries sit in a mixed batch
+        offset += tree.num_rows + 1
+    bitmask = torch.tensor(words, dtype=torch.int32)[:, None]  # [N, 1]
+    verdicts = Verifier(sampler).verify(torch.cat(rows), items, bitmask)
+    assert [v.token_ids for v in verdicts] == [want for _, _, want in cases]
+    assert [len(v.path) for v in verdicts] == [3, 1, 0]
