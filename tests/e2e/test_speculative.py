@@ -11,6 +11,7 @@ the target often, not always, so runs are partly accepted, partly rejected, and 
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from collections.abc import Iterator
@@ -229,3 +230,63 @@ def test_speculation_under_grammar_gives_the_grammar_alone_output(
     assert sum(o.spec_draft_tokens for o in constrained) > 0
     assert sum(o.spec_accepted_tokens for o in constrained) > 0  # drafts accepted under the grammar
     assert all(o.finish is not None and o.finish.reason is not FinishReason.ABORT for o in outs)
+
+
+BOUNDARY_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _triggered(trigger: str) -> Constraint:
+    """A structural tag: free text until ``trigger``, then a JSON object and an end tag (tool-call style)."""
+    tag = {"begin": trigger, "content": {"type": "json_schema", "json_schema": BOUNDARY_SCHEMA}, "end": " end"}
+    fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": [tag], "stop_after_first": True}
+    return Constraint(ConstraintKind.STRUCTURAL_TAG, json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+@pytest.mark.parametrize(
+    "name, grammar_overlap",
+    [("the target as its draft, chain", True), ("ngram tree", False)],
+    ids=["self-draft-delayed-verify", "ngram-tree-early-commit"],
+)
+def test_a_grammar_that_starts_inside_the_draft_window_cuts_the_draft_there(
+    name: str,
+    grammar_overlap: bool,
+    embedded_model_dir: Path,
+    workload: tuple[list[list[int]], list[SamplingParams]],
+    plain: list[RequestOutput],
+) -> None:
+    """The tool-call boundary inside a draft (vLLM's reasoning-end-in-the-draft fault): each request's grammar is
+    free text until a trigger taken from its own unconstrained output (the text of its fifth token), then JSON. The
+    target drafting for itself proposes the free continuation right across the trigger: the nodes before it are
+    accepted, the first node after it is refused by its own mask (the grammar's state after the trigger, reached
+    inside this step's draft), and the output equals the output with grammar and without speculation. Fails if the
+    nodes past the trigger are verified without their own masks (checked by keeping only each item's root row of
+    the bitmask in Verifier._processed: the free continuation is accepted across the trigger and the outputs
+    differ), or if they get the mask of the state before the step, which is the same fault."""
+    prompts, params = workload
+    chosen = [i for i, o in enumerate(plain) if len(o.output_ids or ()) >= 12][:8]
+    tokenizer = Tokenizer.from_dir(embedded_model_dir)
+    triggers = [tokenizer.decode(list(plain[i].output_ids or ())[4:5]) for i in chosen]
+    constraints: list[Constraint | None] = [_triggered(t) for t in triggers]
+    sub_prompts = [prompts[i] for i in chosen]
+    sub_params = [replace(params[i], stop=(), stop_token_ids=(), max_new_tokens=32, ignore_eos=False) for i in chosen]
+    spec = CONFIGS["ngram tree"]
+    if name.startswith("the target"):
+        spec = SpeculativeConfig(
+            SpecAlgorithm.DRAFT, draft_model_path=str(embedded_model_dir), num_steps=4, adaptive=False
+        )
+    outs = {}
+    for label, config in (("plain", SpeculativeConfig()), ("spec", spec)):
+        engine_config = replace(
+            BASE, model_path=str(embedded_model_dir), speculative=config, grammar_overlap=grammar_overlap
+        )
+        with Engine(engine_config) as engine:
+            outs[label] = engine.generate_batch(sub_prompts, sub_params, timeout=300, constraints=constraints)
+            assert_engine_baseline(engine, 30)
+    for i, (o, p) in enumerate(zip(outs["spec"], outs["plain"], strict=True)):
+        assert o.output_ids == p.output_ids and o.finish == p.finish, f"request {chosen[i]}"
+        assert o.finish is not None and o.finish.reason is not FinishReason.ABORT
+    crossed = [t for o, t in zip(outs["plain"], triggers, strict=True) if f"{t}{{" in tokenizer.decode(o.output_ids)]
+    assert len(crossed) >= len(chosen) // 2, "most requests must reach their trigger and start the JSON"
+    drafted = sum(o.spec_draft_tokens for o in outs["spec"])
+    accepted = sum(o.spec_accepted_tokens for o in outs["spec"])
+    assert 0 < accepted < drafted  # drafts accepted before the boundary, refused by the masks after it

@@ -252,7 +252,7 @@ def test_draft_runs_trimmed_to_different_lengths_each_get_their_own_mask_rows() 
     the bitmask allows exactly one token, different per request and node, so every emitted token shows whose row
     it was verified with; a plain entry's row sits after each. Fails if an item reads another item's rows (vLLM's
     mask-rows-after-trimming fault): checked with `bitmask[: len(used)]` (rows taken as packed per verified node, not
-    per logits row) in place of the index_select in Verifier._processed, the second and third items emit (0,), (0, 5)."""
+    per logits row) in place of the index_select in Verifier._processed: items two and three emit (0,), (0, 5)."""
     sampler = Sampler(V, "cpu")
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
     # (draft chain, the one token each row allows: the root's row, then one per node) and what must come out.
