@@ -37,6 +37,7 @@ from engine.scheduler.engine import Engine
 class Job:
     prompt: list[int]
     max_new_tokens: int
+    regex: str | None = None  # a constraint (its grammar must not end before max_new_tokens: ignore_eos is set)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,8 @@ async def run_grpc(target: str, streams: int, jobs: list[Job]) -> Report:
                 temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=1, max_new_tokens=job.max_new_tokens
             )
             params.ignore_eos = True
+            if job.regex is not None:
+                params.regex = job.regex
             request = pb.GenerateRequest(
                 request_id=f"load-{next(counter)}",
                 tokenized=pb.TokenizedInput(input_ids=job.prompt),

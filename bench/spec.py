@@ -15,19 +15,36 @@ Printed: output tokens per second of wall time for each, the acceptance length (
 plus the sampled one), and the ratios spec+overlap / plain and spec+overlap / spec. Targets (issue 15): >= 2x at one
 stream with the draft model, >= 1.0x at 32 streams (never slower), overlapped >= 1.1x non-overlapped.
 
+Then, under grammar (issue 16), with a grammar service in every stack, the repeating prompts at 1 and 32 streams:
+
+    spec           unconstrained speculation, overlapped (the reference)
+    grammar        constrained, no speculation
+    delayed        constrained speculation, grammar overlap on: each step's forward starts before its draft masks
+                   exist and only the verify waits for them (C4)
+    early          constrained speculation, grammar overlap off: the scheduler commits before each constrained step
+
+The constraint is a regex that bans the characters `<`, `>` and `|` and never ends: every step needs a real mask
+(row 0 and every draft node), the model's own continuation is allowed, so the ratio delayed / spec is the cost of
+the grammar work alone (target >= 0.9) and delayed / early is what overlapping it buys (target >= 1.1). Last, the
+mask work itself: a chain draft's masks traversed in process (xgrammar's traverse_draft_tree over the compiled
+regex and a JSON schema), time per node p50 / p99.
+
     .venv/bin/python bench/spec.py [--streams 1 8 32] [--max-new 96] [--algorithms draft ngram]
-        [--target PATH] [--draft PATH] [--steps 4] [--topk 1]
+        [--target PATH] [--draft PATH] [--steps 4] [--topk 1] [--grammar-streams 1 32] [--no-grammar]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
+import torch
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -35,7 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.load import Job, run_grpc, spawned_stack
 from engine.config import EngineConfig
+from engine.constraint import Constraint, ConstraintKind
 from engine.executor.proposers import draft_dir
+from engine.grammar import ConstraintCompiler
+from engine.grammar.matcher import VersionedMatcher
+from engine.grammar_calls import DraftTree
 from engine.model.folder import model_dir
 from engine.model.tokenizer import Tokenizer
 
@@ -47,6 +68,13 @@ _REPEATING = (
     '{"name": "Ada", "city": "Paris"}\n{"name": "Bob", "city": "Rome"}\n{"name": "Cy", "city": "Oslo"}\n{"name":',
     "one two three four five one two three four five one two three four five one two three",
 )
+_PEOPLE = [("Ada", "Paris"), ("Bob", "Rome"), ("Cy", "Oslo"), ("Dee", "Lima"), ("Eve", "Kyiv")] * 4
+GRAMMAR_REGEX = "[^<>|]*"  # bans three characters and never ends: a real mask every step, the model's text allowed
+_TRAVERSAL_SCHEMA = (
+    '{"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, '
+    '"city": {"type": "string"}}, "required": ["name", "city"]}}'
+)
+_TRAVERSAL_JSON = "[" + ", ".join(f'{{"name": "{n}", "city": "{c}"}}' for n, c in _PEOPLE) + "]"
 _FRESH = (
     "Tell me about the weather in the mountains in spring.",
     "Write a short note to a friend about a trip to the sea.",
@@ -114,9 +142,12 @@ def _mode_flags(
     return flags
 
 
-def _runs(target: Path, flags: list[str], workloads: dict[tuple[str, int], list[Job]]) -> dict[tuple[str, int], Run]:
-    """Every workload through one stack started with ``flags`` (executor and scheduler processes, loopback gRPC)."""
-    with spawned_stack(target, flags) as stack:
+def _runs(
+    target: Path, flags: list[str], workloads: dict[tuple[str, int], list[Job]], grammar: bool = False
+) -> dict[tuple[str, int], Run]:
+    """Every workload through one stack started with ``flags`` (executor and scheduler processes, loopback gRPC;
+    with ``grammar`` a grammar service too)."""
+    with spawned_stack(target, flags, grammar=grammar) as stack:
         return {key: _measure(stack.target, jobs, key[1]) for key, jobs in workloads.items()}
 
 
@@ -131,9 +162,7 @@ def bench(args: argparse.Namespace) -> list[Row]:
     plain = _runs(target, _mode_flags(None, None, True, True, args), workloads)
     rows = []
     for algorithm in args.algorithms:
-        draft = None
-        if algorithm == "draft":
-            draft = Path(args.draft) if args.draft else draft_dir(EngineConfig(model_path=args.target))
+        draft = _draft(algorithm, args)
         spec = _runs(target, _mode_flags(algorithm, draft, False, True, args), workloads)
         overlapped = _runs(target, _mode_flags(algorithm, draft, True, True, args), workloads)
         fixed = _runs(target, _mode_flags(algorithm, draft, True, False, args), workloads)
@@ -141,6 +170,94 @@ def bench(args: argparse.Namespace) -> list[Row]:
             rows.append(Row(algorithm, key[0], key[1], plain[key], spec[key], overlapped[key], fixed[key]))
             _print_row(rows[-1])
     return rows
+
+
+@dataclass(frozen=True)
+class GrammarRow:
+    algorithm: str
+    streams: int
+    spec: Run
+    grammar: Run
+    delayed: Run
+    early: Run
+
+
+def bench_grammar(args: argparse.Namespace, tokenizer: Tokenizer) -> list[GrammarRow]:
+    """The constrained comparison (see the module docstring), every mode in a stack of its own."""
+    target = model_dir(EngineConfig(model_path=args.target))
+    free = {
+        ("repeating", streams): _prompts(
+            tokenizer, "repeating", max(streams * args.rounds, args.min_requests), args.max_new
+        )
+        for streams in args.grammar_streams
+    }
+    constrained = {key: [replace(job, regex=GRAMMAR_REGEX) for job in jobs] for key, jobs in free.items()}
+    grammar = _runs(target, _mode_flags(None, None, True, True, args), constrained, grammar=True)
+    rows = []
+    for algorithm in args.algorithms:
+        draft = _draft(algorithm, args)
+        on = _mode_flags(algorithm, draft, True, True, args)
+        spec = _runs(target, on, free, grammar=True)
+        delayed = _runs(target, [*on, "--grammar-overlap", "on"], constrained, grammar=True)
+        early = _runs(target, [*on, "--grammar-overlap", "off"], constrained, grammar=True)
+        for key in free:
+            rows.append(GrammarRow(algorithm, key[1], spec[key], grammar[key], delayed[key], early[key]))
+            _print_grammar_row(rows[-1])
+    return rows
+
+
+def _draft(algorithm: str, args: argparse.Namespace) -> Path | None:
+    if algorithm != "draft":
+        return None
+    return Path(args.draft) if args.draft else draft_dir(EngineConfig(model_path=args.target))
+
+
+_GRAMMAR_HEADER = (
+    f"{'proposer':>8} {'streams':>7} | {'spec':>7} {'grammar':>7} {'delayed':>7} {'early':>7} tok/s | "
+    f"{'acc len':>7} {'early':>6} | {'delayed/spec':>12} {'delayed/early':>13} {'delayed/grammar':>15}"
+)
+
+
+def _print_grammar_row(r: GrammarRow) -> None:
+    print(
+        f"{r.algorithm:>8} {r.streams:>7} | {r.spec.tokens_per_s:7.0f} {r.grammar.tokens_per_s:7.0f} "
+        f"{r.delayed.tokens_per_s:7.0f} {r.early.tokens_per_s:7.0f}       | {r.delayed.accept_length:7.2f} "
+        f"{r.early.accept_length:6.2f} | {r.delayed.tokens_per_s / r.spec.tokens_per_s:11.2f}x "
+        f"{r.delayed.tokens_per_s / r.early.tokens_per_s:12.2f}x "
+        f"{r.delayed.tokens_per_s / r.grammar.tokens_per_s:14.2f}x",
+        flush=True,
+    )
+
+
+def traversal_per_node(target: Path, tokenizer: Tokenizer, depth: int) -> None:
+    """Time xgrammar's draft-tree traversal (what the grammar service runs per constrained entry and step) along a
+    real output, a chain of ``depth`` draft tokens at each position; print the time per mask row p50 / p99."""
+    compiler = ConstraintCompiler.from_model_dir(target)
+    texts = {
+        "regex": (Constraint(ConstraintKind.REGEX, GRAMMAR_REGEX), " ".join(_REPEATING)),
+        "json_schema": (
+            Constraint(ConstraintKind.JSON_SCHEMA, _TRAVERSAL_SCHEMA),
+            _TRAVERSAL_JSON,
+        ),
+    }
+    print(f"\ndraft mask traversal, chains of {depth} nodes ({depth + 1} rows), per row:")
+    try:
+        for name, (constraint, text) in texts.items():
+            compiled = compiler.compile(constraint, 60.0)
+            tokens = tokenizer.encode(text)
+            matcher = VersionedMatcher(compiled)
+            out = torch.empty((depth + 1, matcher.words_per_row), dtype=torch.int32)  # [R, W]
+            per_row: list[float] = []
+            for at in range(len(tokens) - depth):
+                tree = DraftTree.chain(tokens[at : at + depth])
+                started = time.perf_counter()
+                matcher.fill_draft_masks(at, tree, out)
+                per_row.append((time.perf_counter() - started) / tree.num_rows)
+                matcher.commit(at, tokens[at : at + 1])
+            qs = statistics.quantiles(per_row, n=100, method="inclusive")
+            print(f"  {name:>11}: p50 {qs[49] * 1e6:6.1f} us, p99 {qs[98] * 1e6:6.1f} us over {len(per_row)} steps")
+    finally:
+        compiler.shutdown()
 
 
 _HEADER = (
@@ -170,10 +287,21 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk")
     parser.add_argument("--rounds", type=int, default=2, help="batches of `streams` requests per measurement")
     parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--grammar-streams", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--no-grammar", action="store_true", help="skip the constrained comparison")
+    parser.add_argument("--only-grammar", action="store_true", help="only the constrained comparison")
     args = parser.parse_args()
     print(f"target {args.target or 'embedded'}, draft {args.draft or 'embedded draft'}, greedy, {args.max_new} tokens")
-    print(_HEADER, flush=True)
-    bench(args)
+    if not args.only_grammar:
+        print(_HEADER, flush=True)
+        bench(args)
+    if not args.no_grammar:
+        target = model_dir(EngineConfig(model_path=args.target))
+        tokenizer = Tokenizer.from_dir(target)
+        print(f"\nunder grammar (regex {GRAMMAR_REGEX!r}), repeating prompts")
+        print(_GRAMMAR_HEADER, flush=True)
+        bench_grammar(args, tokenizer)
+        traversal_per_node(target, tokenizer, args.steps)
 
 
 if __name__ == "__main__":
