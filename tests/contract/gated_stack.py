@@ -22,19 +22,18 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.config import EngineConfig
 from engine.constraint import Constraint
 from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
-from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarBackend, GrammarLoss, MaskEntry, MaskRefusals
+from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarBackend
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
 from engine.scheduler.metrics import EngineObserver, NullObserver, RequestFinished, StepCommitted
 from engine.scheduler.request import RequestOutput
 from services.remote_runner import RemoteRunner
 from tests.support.gate import StepGate, entries_of
+from tests.support.grammar_doubles import DelegatingGrammar
 
 WAIT_S = 30.0
 
@@ -176,7 +175,7 @@ class WatchedEngine(Engine):
             return next(live for r, live in self.abort_calls if r == rid)
 
 
-class GrammarProbe:
+class GrammarProbe(DelegatingGrammar[LocalGrammar]):
     """A grammar backend delegating every call to a real one (a shared :class:`LocalGrammar`, which the engine then
     does not shut down). It records every commit, so a test can see what reached a request's grammar state (C7), and
     with ``hold_open`` its ``open`` (the compile) waits until the test sets ``proceed``; ``opening`` is set when a
@@ -184,7 +183,7 @@ class GrammarProbe:
     test sets ``proceed_commits``; ``committing`` is set once a commit is waiting."""
 
     def __init__(self, inner: LocalGrammar, hold_open: bool = False) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.opening = threading.Event()
         self.proceed = threading.Event()
         if not hold_open:
@@ -213,24 +212,6 @@ class GrammarProbe:
         with self._lock:
             self._commits.extend(entries)
         return self.inner.commit(entries)
-
-    def fill_masks_into(
-        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
-    ) -> MaskRefusals:
-        return self.inner.fill_masks_into(entries, deadline_s, out, starts)
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        self.inner.release(request_ids)
-
-    @property
-    def num_open(self) -> int:
-        return self.inner.num_open
-
-    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
-        return self.inner.take_loss(verify)
-
-    def unavailable(self) -> str | None:
-        return self.inner.unavailable()
 
     def committed(self, request_id: str) -> list[tuple[int, tuple[int, ...]]]:
         """(from ordinal, tokens) of every commit of ``request_id``'s grammar, in order."""

@@ -30,7 +30,7 @@ from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info
 from engine.grammar.registry import GrammarRegistry
-from engine.grammar_calls import CommitEntry, CommitOutcome, DraftTree, GrammarLoss, MaskEntry, MaskRefusals, Refusal
+from engine.grammar_calls import CommitEntry, CommitOutcome, DraftTree, MaskEntry, MaskRefusals, Refusal
 from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
@@ -39,6 +39,7 @@ from engine.scheduler.scheduler import CommitOutcome as SchedulerOutcome
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.stop import StopChecker
 from engine.step import SampledRun, StepPlan, StepResult
+from tests.support.grammar_doubles import DelegatingGrammar
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
 VALID_JSON = '{"name": "ab", "age": 12}'
@@ -451,7 +452,7 @@ class Event:
     ok: bool = True
 
 
-class RecordingGrammar:
+class RecordingGrammar(DelegatingGrammar[LocalGrammar]):
     """Forwards to a real :class:`LocalGrammar` and records every mask and commit call, in order.
 
     With ``hold_commits`` it also plays seed 000's timing on every step: the commit of step N waits until step
@@ -459,14 +460,11 @@ class RecordingGrammar:
     "N pending while N+1's mask is prepared" happens at each step, not only when the threads happen to race."""
 
     def __init__(self, inner: LocalGrammar, hold_commits: bool) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.hold_commits = hold_commits
         self.events: list[Event] = []
         self.holds_timed_out = 0
         self._lock = threading.Lock()
-
-    def open(self, request_id: str, constraint: Constraint) -> int:
-        return self.inner.open(request_id, constraint)
 
     def fill_masks_into(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
@@ -481,19 +479,6 @@ class RecordingGrammar:
             self._hold_until_next_masks_wait(entries)
         self._record([Event("commit", e.request_id, e.from_ordinal) for e in entries])  # before it can take effect
         return self.inner.commit(entries)
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        self.inner.release(request_ids)
-
-    @property
-    def num_open(self) -> int:
-        return self.inner.num_open
-
-    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
-        return self.inner.take_loss(verify)
-
-    def unavailable(self) -> str | None:
-        return self.inner.unavailable()
 
     def _record(self, events: list[Event]) -> None:
         with self._lock:

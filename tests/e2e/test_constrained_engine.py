@@ -28,10 +28,11 @@ from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info
 from engine.grammar.registry import FencedMasks
-from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarLoss, MaskEntry, MaskRefusals, words_per_row
+from engine.grammar_calls import MaskEntry, MaskRefusals, words_per_row
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
 from engine.scheduler.request import RequestOutput
+from tests.support.grammar_doubles import DelegatingGrammar
 
 SCHEMAS: tuple[dict[str, object], ...] = (
     {"type": "string", "enum": ["yes", "no", "maybe"]},
@@ -46,41 +47,7 @@ MAX_NEW = 24
 TIMEOUT_S = 60.0
 
 
-class DelegatingGrammar:
-    """A grammar backend that forwards every call to a real one (subclasses change one thing).
-
-    Also keeps a shared :class:`LocalGrammar` alive across engines: ``Engine.shutdown`` shuts down only a backend
-    that is a LocalGrammar itself."""
-
-    def __init__(self, inner: LocalGrammar) -> None:
-        self.inner = inner
-
-    def open(self, request_id: str, constraint: Constraint) -> int:
-        return self.inner.open(request_id, constraint)
-
-    def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
-        return self.inner.commit(entries)
-
-    def fill_masks_into(
-        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
-    ) -> MaskRefusals:
-        return self.inner.fill_masks_into(entries, deadline_s, out, starts)
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        self.inner.release(request_ids)
-
-    @property
-    def num_open(self) -> int:
-        return self.inner.num_open
-
-    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
-        return self.inner.take_loss(verify)
-
-    def unavailable(self) -> str | None:
-        return self.inner.unavailable()
-
-
-class FencingGrammar(DelegatingGrammar):
+class FencingGrammar(DelegatingGrammar[LocalGrammar]):
     """Also forwards ``start_masks``: the executor opens each step's fence in the registry before its forward and the
     commits fill it (the path of an engine on a plain LocalGrammar). Without it the executor fetches the masks with
     ``fill_masks_into`` on its fetch thread."""
@@ -91,7 +58,7 @@ class FencingGrammar(DelegatingGrammar):
         return self.inner.start_masks(entries, deadline_s, out, starts)
 
 
-class AllowAllFor(DelegatingGrammar):
+class AllowAllFor(DelegatingGrammar[LocalGrammar]):
     """Answers every mask of ``request_id`` with an all-allowed row instead of asking the grammar, so the sampler
     may pick a token that the real grammar then refuses at commit."""
 

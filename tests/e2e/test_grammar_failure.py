@@ -13,12 +13,10 @@ no matcher, no executor buffer, no KV page or slot.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from engine.config import EngineConfig
@@ -26,7 +24,6 @@ from engine.constraint import Constraint, ConstraintKind
 from engine.executor.runner import ModelRunner
 from engine.finish import AbortCause
 from engine.grammar import ConstraintCompiler, GrammarRegistry
-from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarLoss, MaskEntry, MaskRefusals
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
 from protos import executor_pb2, executor_pb2_grpc
@@ -35,6 +32,7 @@ from services.remote_runner import RemoteRunner
 from tests.e2e.split import Stack, split_stack
 from tests.e2e.stack import GrammarProcess, read_until_unavailable, wait_for, wait_for_idle_load
 from tests.helpers import assert_engine_baseline, smg_request
+from tests.support.grammar_doubles import DelegatingGrammar
 from tests.support.servers import ExecutorThread, GrammarThread
 
 WAIT_S = 60.0
@@ -157,12 +155,12 @@ def test_a_service_that_lost_the_session_while_a_stream_runs_ends_it_unavailable
         compiler.shutdown()
 
 
-class ForgetAfterOpen:
+class ForgetAfterOpen(DelegatingGrammar[RemoteGrammar]):
     """The scheduler's grammar backend (a real RemoteGrammar), except that right after an open the service forgets
     the session it was opened in: the request's first step then finds its grammar gone before any commit of it."""
 
     def __init__(self, inner: RemoteGrammar, registry: GrammarRegistry) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.registry = registry
 
     def open(self, request_id: str, constraint: Constraint) -> int:
@@ -171,27 +169,6 @@ class ForgetAfterOpen:
         assert held is not None and held[0] == number
         self.registry.end_session(held[1])
         return number
-
-    def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
-        return self.inner.commit(entries)
-
-    def fill_masks_into(
-        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
-    ) -> MaskRefusals:
-        return self.inner.fill_masks_into(entries, deadline_s, out, starts)
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        self.inner.release(request_ids)
-
-    @property
-    def num_open(self) -> int:
-        return self.inner.num_open
-
-    def take_loss(self, verify: bool = False) -> GrammarLoss | None:
-        return self.inner.take_loss(verify)
-
-    def unavailable(self) -> str | None:
-        return self.inner.unavailable()
 
 
 def test_a_missing_mask_from_a_service_that_lost_the_session_ends_the_request_unavailable(
