@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ import xgrammar as xgr
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpecAlgorithm, SpeculativeConfig
 from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.finish import AbortCause, FinishReason
 from engine.grammar import CompilerConfig, ConstraintCompiler, JsonSchemaPolicy, load_tokenizer_info
@@ -104,19 +105,47 @@ class FreshMatchers:
 # ---------------------------------------------------------------------------------------------------- the stack
 
 
+CONFIG = EngineConfig(page_size=16, num_pages=8192, max_running=300, chunk_size=512)
+# n-gram drafts (deterministic): under the seeded match rule every output must be plain decoding's, token for token.
+SPECULATIVE = SpeculativeConfig(SpecAlgorithm.NGRAM, num_steps=4, adaptive=False)
+
+
 @pytest.fixture(scope="module")
-def split(files: list[Path], embedded_model_dir: Path) -> Iterator[Stack]:
-    config = EngineConfig(
-        model_path=str(embedded_model_dir), page_size=16, num_pages=8192, max_running=300, chunk_size=512
-    )
+def grammar(files: list[Path], embedded_model_dir: Path) -> Iterator[GrammarThread]:
+    """One grammar service for both stacks: the speculative run finds every schema compiled."""
     compiler = ConstraintCompiler.from_model_dir(str(embedded_model_dir), CompilerConfig(workers=2))
-    grammar = GrammarThread(compiler)
+    served = GrammarThread(compiler)
     try:
-        with split_stack(config, f"127.0.0.1:{grammar.port}") as stack:
-            yield stack
+        yield served
     finally:
-        grammar.stop()
+        served.stop()
         compiler.shutdown()
+
+
+def _split(embedded_model_dir: Path, grammar: GrammarThread, config: EngineConfig) -> AbstractContextManager[Stack]:
+    return split_stack(replace(config, model_path=str(embedded_model_dir)), f"127.0.0.1:{grammar.port}")
+
+
+@pytest.fixture(scope="module")
+def split(grammar: GrammarThread, embedded_model_dir: Path) -> Iterator[Stack]:
+    with _split(embedded_model_dir, grammar, CONFIG) as stack:
+        yield stack
+
+
+def _batch(files: list[Path], tokenizer: Tokenizer, modes: tuple[JsonSchemaMode, ...]) -> tuple[list[Any], ...]:
+    """Every schema once per mode, seeded sampling at temperature 0.7: the jobs, prompts, params and constraints."""
+    texts = [f.read_text(encoding="utf-8") for f in files]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Reply with JSON."}]))
+    jobs = [(mode, i) for mode in modes for i in range(len(files))]
+    params = [SamplingParams(temperature=0.7, seed=i, max_new_tokens=MAX_NEW_TOKENS) for _, i in jobs]
+    constraints = [Constraint(ConstraintKind.JSON_SCHEMA, texts[i], mode) for mode, i in jobs]
+    return jobs, [prompt] * len(jobs), params, constraints
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(files: list[Path], split: Stack, embedded_model_dir: Path) -> list[RequestOutput]:
+    _, prompts, params, constraints = _batch(files, Tokenizer.from_dir(embedded_model_dir), MODES)
+    return split.engine.generate_batch(prompts, params, TIMEOUT, constraints)
 
 
 # ---------------------------------------------------------------------------------------------------- the test
@@ -149,15 +178,16 @@ def validation_error(schema: Any, text: str) -> str | None:
 
 
 def test_every_schema_in_checked_and_strict_mode(
-    files: list[Path], split: Stack, embedded_model_dir: Path, capsys: pytest.CaptureFixture[str]
+    files: list[Path],
+    split: Stack,
+    plain_outputs: list[RequestOutput],
+    embedded_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     texts = [f.read_text(encoding="utf-8") for f in files]
     tokenizer = Tokenizer.from_dir(embedded_model_dir)
-    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Reply with JSON."}]))
-    jobs = [(mode, i) for mode in MODES for i in range(len(files))]
-    params = [SamplingParams(temperature=0.7, seed=i, max_new_tokens=MAX_NEW_TOKENS) for _, i in jobs]
-    constraints: list[Constraint | None] = [Constraint(ConstraintKind.JSON_SCHEMA, texts[i], mode) for mode, i in jobs]
-    outs = split.engine.generate_batch([prompt] * len(jobs), params, TIMEOUT, constraints)
+    jobs = _batch(files, tokenizer, MODES)[0]
+    outs = plain_outputs
 
     fresh = FreshMatchers(str(embedded_model_dir))
     counts: dict[JsonSchemaMode, Counter[str]] = {mode: Counter() for mode in MODES}
@@ -195,6 +225,36 @@ def test_every_schema_in_checked_and_strict_mode(
     assert checked["refused"] < strict["refused"] <= 20, (checked, strict)  # checked serves what strict refuses
     for c in (checked, strict):
         assert c["stop-valid"] >= 30 and c["length-accepted"] >= 30, c  # both paths really ran
+
+
+def test_with_speculation_every_output_is_the_same(
+    files: list[Path],
+    grammar: GrammarThread,
+    plain_outputs: list[RequestOutput],
+    embedded_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 16: the checked-mode half of the batch again on a stack with n-gram speculation (drafts masked per node
+    by the grammar service, delayed verify): every request's tokens and finish equal the run without speculation,
+    so the stop / valid / cut / violation counts are the same. Fails if a draft node is verified without its own
+    mask (tokens the grammar bans get through, the checked outputs differ or abort) or if the seeded match rule
+    draws differently under drafts."""
+    tokenizer = Tokenizer.from_dir(embedded_model_dir)
+    jobs, prompts, params, constraints = _batch(files, tokenizer, (JsonSchemaMode.CHECKED,))
+    with _split(embedded_model_dir, grammar, replace(CONFIG, speculative=SPECULATIVE)) as stack:
+        outs = stack.engine.generate_batch(prompts, params, TIMEOUT, constraints)
+        assert stack.engine.wait_idle(60)
+    plain = plain_outputs[: len(jobs)]  # the checked half comes first (MODES)
+    finishes: Counter[str] = Counter()
+    for (_, i), out, before in zip(jobs, outs, plain, strict=True):
+        assert out.output_ids == before.output_ids and out.finish == before.finish, files[i].name
+        finishes[before.finish.reason.value if before.finish else "none"] += 1
+    drafted = sum(o.spec_draft_tokens for o in outs)
+    accepted = sum(o.spec_accepted_tokens for o in outs)
+    with capsys.disabled():
+        print(f"\nJSONSchemaBench with n-gram speculation, checked mode: finishes {dict(finishes)} (the same as "
+              f"without), {accepted} of {drafted} draft tokens accepted")  # fmt: skip
+    assert drafted > 0 and accepted > 0
 
 
 @dataclass(frozen=True)
