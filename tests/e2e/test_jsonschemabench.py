@@ -52,7 +52,9 @@ from services.grammar_client import GrammarClient
 from tests.e2e.split import Stack, split_stack
 from tests.support.servers import GrammarThread
 
-pytestmark = pytest.mark.slow
+# The batch of 300 constrained requests runs in the fixture: on a loaded 2-core machine it needs more than the
+# default 600 s per test.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO.parent / "shared" / "jsonschemabench"
@@ -236,9 +238,9 @@ def test_with_speculation_every_output_is_the_same(
 ) -> None:
     """Issue 16: the checked-mode half of the batch again on a stack with n-gram speculation (drafts masked per node
     by the grammar service, delayed verify): every request's tokens and finish equal the run without speculation,
-    so the stop / valid / cut / violation counts are the same. Fails if a draft node is verified without its own
-    mask (tokens the grammar bans get through, the checked outputs differ or abort) or if the seeded match rule
-    draws differently under drafts."""
+    so the stop / valid / cut / violation counts are the same. A draft node verified without its own mask, or a
+    seeded draw that depends on the draft, shows here as a differing output; the deterministic tests of each are
+    tests/unit/test_verify.py and test_a_grammar_that_starts_inside_the_draft_window... in test_speculative.py."""
     tokenizer = Tokenizer.from_dir(embedded_model_dir)
     jobs, prompts, params, constraints = _batch(files, tokenizer, (JsonSchemaMode.CHECKED,))
     with _split(embedded_model_dir, grammar, replace(CONFIG, speculative=SPECULATIVE)) as stack:
