@@ -336,6 +336,7 @@ def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg
     common = [*model, *engine_argv(args)]
 
     grammar_argv = [*model, "--port", str(args.grammar_port), "--json-schema", json_schema_mode(args)]
+    grammar_argv += ["--json-integer-range", args.json_integer_range]
     grammar_argv += ["--metrics-port", str(metrics["grammar"])]
     grammar_port = _start_grpc_service(sup, "grammar", grammar_argv, local, args.startup_timeout)
     grammar = ["--grammar", _hostport(local, grammar_port)]
