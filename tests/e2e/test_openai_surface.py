@@ -34,7 +34,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.grammar.schema.integer_range import SAFE_INTEGER
 from engine.model.tokenizer import Tokenizer
-from tests.e2e.stack import ServeStack, free_port_block, greedy_request, start_serve
+from tests.e2e.stack import ServeStack, free_port_block, gateway_stack, greedy_request
 from tests.helpers import smg_request
 
 MODEL = "tiny-surface"
@@ -74,15 +74,9 @@ class Surface:
 
 @pytest.fixture(scope="module")
 def surface(embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Surface]:
-    flags = ["--port", "0", "--executor-port", "0", "--grammar-port", "0", "--gateway-port", "0"]
-    flags += ["--metrics-port", str(free_port_block(4)), "--served-model-name", MODEL, "--num-pages", "512"]
-    stack = start_serve(tmp_path_factory.mktemp("surface") / "serve.stderr", embedded_model_dir, *flags)
-    try:
-        with grpc.insecure_channel(stack.scheduler) as channel:
-            yield Surface(stack, channel)
-    finally:
-        code = stack.stop()
-    assert code == 0, stack.stderr()[-4000:]
+    log_dir = tmp_path_factory.mktemp("surface")
+    with gateway_stack(log_dir, embedded_model_dir, MODEL, free_port_block(4)) as (stack, channel):
+        yield Surface(stack, channel)
 
 
 @pytest.fixture(scope="module")
