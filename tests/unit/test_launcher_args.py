@@ -32,7 +32,7 @@ from services.flags import (
     json_schema_mode,
 )
 from services.gateway import smg_argv
-from services.launcher import Endpoints, _metrics_ports, build_parser, main
+from services.launcher import Endpoints, _metrics_ports, build_parser, json_schema_argv, main
 from services.supervisor import RestartPolicy, ServiceFailedError, StopRequestedError, StopSignal, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -376,6 +376,9 @@ def test_json_integer_range_is_safe_unless_told_otherwise() -> None:
         assert parser.parse_args([*prefix, "--json-integer-range", "unbounded"]).json_integer_range == "unbounded"
         with pytest.raises(SystemExit):
             parser.parse_args([*prefix, "--json-integer-range", "int64"])
+    serve = build_parser().parse_args(["serve", "--json-integer-range", "unbounded", "--json-schema", "strict"])
+    passed = grammar_parser().parse_args(json_schema_argv(serve))
+    assert (passed.json_integer_range, json_schema_mode(passed)) == ("unbounded", "strict")
 
 
 def test_grammar_subcommand_execs_the_service_module() -> None:
