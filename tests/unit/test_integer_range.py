@@ -24,6 +24,7 @@ from tests.unit.test_json_schema_policy import accepts
 
 S = SAFE_INTEGER
 BOUNDED = {"type": "integer", "minimum": -S, "maximum": S}
+SHARED = {"$ref": "#/$defs/ordinal_safe_integer"}  # what a nested plain integer becomes
 HUGE = "17154902112512202" * 5  # 85 digits: what a random model wrote for an unbounded id
 
 
@@ -55,10 +56,24 @@ RULES: list[tuple[str, Any, Any]] = [
     ("malformed bounds are xgrammar's to report", {"type": "integer", "minimum": "0"}, None),
     ("no type: any value, left as it is", {"minimum": 0}, None),
     (
+        "a nested integer with keywords of its own stays in place",
+        {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": S}},
+    ),
+    (
+        "nested plain integers share one bounded definition (a free name)",
+        {"type": "array", "items": {"type": "integer", "description": "n"}, "$defs": {"ordinal_safe_integer": {}}},
+        {
+            "type": "array",
+            "items": {"$ref": "#/$defs/ordinal_safe_integer_"},
+            "$defs": {"ordinal_safe_integer": {}, "ordinal_safe_integer_": BOUNDED},
+        },
+    ),
+    (
         "everywhere an instance is checked against a subschema",
         {
             "type": "object",
-            "properties": {"id": {"type": "integer"}},
+            "properties": {"id": {"type": "integer"}, "n": {"type": ["integer", "null"]}},
             "additionalProperties": {"type": "integer"},
             "patternProperties": {"^x": {"type": "integer"}},
             "$defs": {"a": {"type": "integer"}},
@@ -70,15 +85,15 @@ RULES: list[tuple[str, Any, Any]] = [
         },
         {
             "type": "object",
-            "properties": {"id": BOUNDED},
-            "additionalProperties": BOUNDED,
-            "patternProperties": {"^x": BOUNDED},
-            "$defs": {"a": BOUNDED},
-            "definitions": {"b": BOUNDED},
-            "dependentSchemas": {"id": {"properties": {"n": BOUNDED}}},
-            "anyOf": [BOUNDED, {"type": "array", "items": BOUNDED}],
-            "oneOf": [{"type": "array", "prefixItems": [BOUNDED], "contains": BOUNDED}],
-            "allOf": [{"if": {"type": "integer"}, "then": BOUNDED, "else": BOUNDED}],
+            "properties": {"id": SHARED, "n": {"type": ["integer", "null"], "minimum": -S, "maximum": S}},
+            "additionalProperties": SHARED,
+            "patternProperties": {"^x": SHARED},
+            "$defs": {"a": SHARED, "ordinal_safe_integer": BOUNDED},
+            "definitions": {"b": SHARED},
+            "dependentSchemas": {"id": {"properties": {"n": SHARED}}},
+            "anyOf": [SHARED, {"type": "array", "items": SHARED}],
+            "oneOf": [{"type": "array", "prefixItems": [SHARED], "contains": SHARED}],
+            "allOf": [{"if": {"type": "integer"}, "then": SHARED, "else": SHARED}],
         },
     ),
 ]

@@ -38,6 +38,8 @@ _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 _BOUND_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 _COMBINING = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+# Keywords that change nothing about which instances a node accepts (a subset of the drafts' annotations).
+_PLAIN_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated"})
 
 
 class IntegerRange(enum.Enum):
@@ -49,7 +51,13 @@ class IntegerRange(enum.Enum):
 
 def bound_integers(schema: Any) -> int:
     """Bound, in place, every integer node of ``schema`` (a parsed JSON value) that leaves a side open, as the module
-    docstring says; returns how many nodes changed. Iterative: a deeply nested schema cannot exhaust the stack."""
+    docstring says; returns how many nodes changed. Iterative: a deeply nested schema cannot exhaust the stack.
+
+    A node that says nothing but ``"type": "integer"`` (annotations aside) becomes a reference to one shared bounded
+    integer in the root's ``$defs``: xgrammar compiles a range once per occurrence but a reference once per target,
+    and the range of +-(2^53 - 1) costs it about 1.5 ms per occurrence on a 2k vocabulary (ten integer properties: 15
+    ms inline, 3 ms shared), more on a large one."""
+    shared = _SharedInteger(schema)
     changed = 0
     stack = [schema]
     while stack:
@@ -57,19 +65,57 @@ def bound_integers(schema: Any) -> int:
         if not isinstance(node, dict):
             continue
         changed += _bound_node(node)
-        stack.extend(_subschemas(node))
+        for container, key in _subschema_slots(node):
+            if shared.replace(container, key):
+                changed += 1
+            else:
+                stack.append(container[key])
+    shared.install()
     return changed
 
 
-def _subschemas(node: dict[str, Any]) -> list[Any]:
-    found: list[Any] = [node[key] for key in _ONE if isinstance(node.get(key), dict)]
+class _SharedInteger:
+    """The root's ``$defs`` entry every plain integer node refers to (created on first use)."""
+
+    def __init__(self, root: Any) -> None:
+        defs = root.get("$defs", {}) if isinstance(root, dict) else None
+        self._root = root if isinstance(defs, dict) else None  # a malformed $defs is xgrammar's to report
+        self._ref: str | None = None
+        self._name = ""
+
+    def replace(self, container: Any, key: Any) -> bool:
+        """Replace ``container[key]`` by the shared reference if it is a plain integer node."""
+        node = container[key]
+        if self._root is None or not isinstance(node, dict) or node.get("type") != "integer":
+            return False
+        if not set(node) - {"type"} <= _PLAIN_ANNOTATIONS:
+            return False
+        if self._ref is None:
+            taken = self._root.get("$defs", {})
+            self._name = "ordinal_safe_integer"
+            while self._name in taken:
+                self._name += "_"
+            self._ref = f"#/$defs/{self._name}"
+        container[key] = {"$ref": self._ref}
+        return True
+
+    def install(self) -> None:
+        if self._root is not None and self._ref is not None:
+            defs = dict(self._root.get("$defs", {}))
+            defs[self._name] = {"type": "integer", "minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER}
+            self._root["$defs"] = defs
+
+
+def _subschema_slots(node: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """(container, key) of every subschema of ``node`` an instance may be checked against."""
+    slots: list[tuple[Any, Any]] = [(node, key) for key in _ONE if isinstance(node.get(key), dict)]
     for key in _LISTS:
         if isinstance(node.get(key), list):
-            found.extend(node[key])
+            slots.extend((node[key], i) for i in range(len(node[key])))
     for key in _MAPS:
         if isinstance(node.get(key), dict):
-            found.extend(node[key].values())
-    return found
+            slots.extend((node[key], name) for name in node[key])
+    return slots
 
 
 def _bound_node(node: dict[str, Any]) -> int:
