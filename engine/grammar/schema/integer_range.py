@@ -8,7 +8,8 @@ the client would then read another number than the one generated, a silently cor
 
 So by default (:attr:`IntegerRange.SAFE`) every schema node typed ``integer`` gets ``minimum`` ``-(2^53 - 1)`` where it
 has no lower bound and ``maximum`` ``2^53 - 1`` where it has no upper bound, before anything else reads the schema:
-the grammar, the policy's rewrite and checked mode's output check all see the bounded schema, in every mode. What the
+the grammar, the policy's rewrite and checked mode's output check all see the bounded schema, in every mode (a nested
+node that is nothing but an integer refers to one shared bounded definition, compiled once). What the
 schema says explicitly stays as written: its own bounds (also beyond the range: ``{"minimum": 2**60}`` keeps no
 maximum, since it asks for integers beyond the range), listed values (``const``, ``enum``), nodes that combine
 (``$ref``, ``anyOf``, ``oneOf``, ``allOf``: their branches are bounded where they are typed) and steps
