@@ -23,6 +23,8 @@ DEFAULT_METRICS_PORT = 29000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # logging's names; lower case is accepted too
 JSON_SCHEMA_MODES = ("strict", "checked", "loose")  # engine.constraint.JsonSchemaMode's values (no engine import)
 DEFAULT_JSON_SCHEMA_MODE = "checked"
+# engine.grammar.IntegerRange's values, the default first (no engine import; a test holds them equal)
+JSON_INTEGER_RANGES = ("safe", "unbounded")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +51,15 @@ def add_json_schema_args(parser: argparse.ArgumentParser) -> None:
         "request, naming keyword, place and value); loose: as given, some keywords enforced loosely (SGLang's way)",
     )
     group.add_argument("--loose-json-schema", action="store_true", help="the same as --json-schema loose")
+    group.add_argument(
+        "--json-integer-range",
+        choices=JSON_INTEGER_RANGES,
+        default=JSON_INTEGER_RANGES[0],
+        help="what an integer a JSON schema leaves unbounded may be (default: safe). safe: within +-(2^53 - 1), "
+        "exact for every client that reads JSON numbers as doubles (JavaScript; the smg gateway beyond 64 bits, in "
+        "tool-call arguments); unbounded: any number of digits, as the schema is written. Explicit bounds and listed "
+        "values are kept as written either way",
+    )
 
 
 def json_schema_mode(args: argparse.Namespace) -> str:

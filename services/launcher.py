@@ -328,6 +328,11 @@ def _metrics_ports(args: argparse.Namespace) -> dict[str, int]:
     return {"scheduler": base, "executor": base + 1, "gateway": base + 2, "grammar": base + 3}
 
 
+def json_schema_argv(args: argparse.Namespace) -> list[str]:
+    """The JSON-schema flags ``ordinal serve`` passes on to the grammar service it starts."""
+    return ["--json-schema", json_schema_mode(args), "--json-integer-range", args.json_integer_range]
+
+
 def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg: str | None) -> Endpoints:
     """Grammar, executor, scheduler, gateway: each started only once the one before it is ready."""
     local = _connect_host(args.host)
@@ -335,7 +340,7 @@ def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg
     model = ["--host", args.host, "--model", str(model_dir), "--log-level", args.log_level]
     common = [*model, *engine_argv(args)]
 
-    grammar_argv = [*model, "--port", str(args.grammar_port), "--json-schema", json_schema_mode(args)]
+    grammar_argv = [*model, "--port", str(args.grammar_port), *json_schema_argv(args)]
     grammar_argv += ["--metrics-port", str(metrics["grammar"])]
     grammar_port = _start_grpc_service(sup, "grammar", grammar_argv, local, args.startup_timeout)
     grammar = ["--grammar", _hostport(local, grammar_port)]

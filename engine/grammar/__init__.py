@@ -19,6 +19,7 @@ from engine.grammar.enforcement import Enforcement, EnforcementObserver
 from engine.grammar.matcher import MatcherState, VersionedMatcher
 from engine.grammar.registry import GrammarRegistry, MaskFence
 from engine.grammar.schema import JsonSchemaPolicy, PolicyOutcome, Unenforced, UnenforcedSchemaError
+from engine.grammar.schema.integer_range import IntegerRange
 from engine.grammar.violation import Violation
 from engine.grammar_calls import (
     CommitEntry,
@@ -54,6 +55,7 @@ __all__ = [
     "GrammarProtocolError",
     "GrammarRegistry",
     "GrammarTimeoutError",
+    "IntegerRange",
     "InvalidGrammarError",
     "JsonSchemaMode",
     "JsonSchemaPolicy",

@@ -11,8 +11,9 @@ A JSON schema is compiled in its mode (the request's, else the config's; :mod:`e
 xgrammar 0.2.9 compiles some keywords into a grammar looser than the schema, so strict mode rewrites the schema into
 a form xgrammar enforces exactly or refuses it, checked mode compiles the closest such form and checks the rest on
 the output, loose mode compiles it as given. The constraint's text stays as the request gave it; only what xgrammar
-compiles is rewritten. One compiler has one config, so the cache key (the constraint's, mode included) needs nothing
-more.
+compiles is rewritten; integers a schema leaves unbounded are bounded to +-(2^53 - 1) unless the config's
+``json_integer_range`` is UNBOUNDED. One compiler has one config, so the cache key (the constraint's, mode included)
+needs nothing more.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.enforcement import Enforcement
 from engine.grammar.json_schema_compiler import JsonSchemaCompiler
 from engine.grammar.schema import JsonSchemaPolicy, UnenforcedSchemaError
+from engine.grammar.schema.integer_range import IntegerRange
 from engine.grammar.schema_check import SchemaCheck, SchemaCheckError
 from engine.grammar_calls import GrammarTimeoutError, InvalidGrammarError, words_per_row
 from engine.model.folder import model_vocab_size
@@ -86,6 +88,9 @@ class CompilerConfig:
     # finish with "stop"; STRICT refuses what xgrammar cannot enforce exactly; LOOSE is SGLang's behaviour.
     json_schema_mode: JsonSchemaMode = JsonSchemaMode.CHECKED
     json_schema_policy: JsonSchemaPolicy = field(default_factory=JsonSchemaPolicy)
+    # What an integer a JSON schema leaves unbounded may be: SAFE keeps it within +-(2^53 - 1), exact for every client
+    # that reads numbers as doubles (see engine.grammar.schema.integer_range); UNBOUNDED compiles schemas as given.
+    json_integer_range: IntegerRange = IntegerRange.SAFE
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.threads_per_compile < 1 or self.cache_entries < 1:
@@ -109,7 +114,11 @@ class ConstraintCompiler:
         # xgrammar's own cache is off: ours is keyed by constraint, bounded, and shares in-flight compiles.
         self._xgr = xgr.GrammarCompiler(tokenizer_info, max_threads=config.threads_per_compile, cache_enabled=False)
         self._json_schemas = JsonSchemaCompiler(
-            self._xgr, tokenizer_info.decoded_vocab, config.json_schema_policy, config.json_schema_mode
+            self._xgr,
+            tokenizer_info.decoded_vocab,
+            config.json_schema_policy,
+            config.json_schema_mode,
+            config.json_integer_range,
         )
         self._vocab_size = int(tokenizer_info.vocab_size)
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grammar-compile")

@@ -10,6 +10,10 @@
 - LOOSE: the schema as given (SGLang's way); the policy only tells, for the report, what xgrammar reads loosely.
 
 The schema text that is not JSON goes to xgrammar as given, for xgrammar to report the error in its own words.
+
+Before any of this, in every mode, integers the schema leaves unbounded are bounded to +-(2^53 - 1)
+(:mod:`engine.grammar.schema.integer_range`; ``IntegerRange.UNBOUNDED`` leaves them as written), so that the grammar,
+the rewrite and the output check all read the same bounded schema.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import xgrammar as xgr
 from engine.constraint import JsonSchemaMode
 from engine.grammar.enforcement import Enforcement
 from engine.grammar.schema import JsonSchemaPolicy, Unenforced, UnenforcedSchemaError
+from engine.grammar.schema.integer_range import IntegerRange, bound_integers
 from engine.grammar.schema_check import SchemaCheck, SchemaCheckError
 
 _XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)  # how xgrammar refuses a grammar, whatever the language
@@ -48,12 +53,15 @@ class JsonSchemaCompiler:
         token_bytes: Sequence[bytes],
         policy: JsonSchemaPolicy,
         default_mode: JsonSchemaMode,
+        integer_range: IntegerRange = IntegerRange.SAFE,
     ) -> None:
-        """``token_bytes[t]``: the bytes token t adds to an output (xgrammar's decoded vocabulary)."""
+        """``token_bytes[t]``: the bytes token t adds to an output (xgrammar's decoded vocabulary); ``integer_range``:
+        what an integer the schema leaves unbounded may be."""
         self._xgr = xgr_compiler
         self._token_bytes = token_bytes
         self._policy = policy
         self._default_mode = default_mode
+        self._integer_range = integer_range
 
     @property
     def default_mode(self) -> JsonSchemaMode:
@@ -69,6 +77,8 @@ class JsonSchemaCompiler:
             schema = json.loads(text)
         except (json.JSONDecodeError, RecursionError):
             return CompiledSchema(self._xgrammar(text), None, None)  # xgrammar says what is wrong
+        if self._integer_range is IntegerRange.SAFE and bound_integers(schema):
+            text = json.dumps(schema)  # what every mode compiles from here on, loose included
         if mode is JsonSchemaMode.LOOSE:
             told = self._policy.apply(schema, checking=True)
             loose = (*told.unenforced, *told.checked)

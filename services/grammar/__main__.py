@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.constraint import JsonSchemaMode
-from engine.grammar import CompilerConfig, ConstraintCompiler, EnforcementObserver
+from engine.grammar import CompilerConfig, ConstraintCompiler, EnforcementObserver, IntegerRange
 from engine.model.embedded import ensure_embedded_model
 from services.flags import add_json_schema_args, json_schema_mode
 from services.grammar.metrics import GrammarMetrics
@@ -80,7 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     mode = JsonSchemaMode(json_schema_mode(args))
-    compiler_config = CompilerConfig(workers=args.compile_workers, json_schema_mode=mode)
+    compiler_config = CompilerConfig(
+        workers=args.compile_workers, json_schema_mode=mode, json_integer_range=IntegerRange(args.json_integer_range)
+    )
     compiler = ConstraintCompiler.from_model_dir(model_dir(args), compiler_config)
     config = GrammarServiceConfig(fence_deadline_s=args.fence_deadline_ms / 1000.0, workers=args.workers)
     metrics = GrammarMetrics()

@@ -81,11 +81,14 @@ def _grammar(
         if runner is not None:
             return None
         # Lazily: a scheduler with a remote executor and grammar service never loads the grammar engine.
-        from engine.grammar import CompilerConfig
+        from engine.grammar import CompilerConfig, IntegerRange
         from engine.grammar.backend import LocalGrammar
         from services.grammar.metrics import GrammarMetrics
 
-        compiler = CompilerConfig(json_schema_mode=JsonSchemaMode(json_schema_mode(args)))
+        compiler = CompilerConfig(
+            json_schema_mode=JsonSchemaMode(json_schema_mode(args)),
+            json_integer_range=IntegerRange(args.json_integer_range),
+        )
         return LocalGrammar(str(model_dir(config)), config=compiler, observer=GrammarMetrics(metrics.registry))
     vocab = runner.info.vocab_size if runner is not None else model_vocab_size(model_dir(config))
     try:

@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TypeVar
@@ -246,6 +247,23 @@ def start_serve(log_path: Path, model_dir: Path, *flags: str, ready_timeout: flo
         raise AssertionError(f"ordinal serve not ready (exit code {proc.returncode}); stderr:\n{tail}")
     fields = dict(part.split("=", 1) for part in line.split()[1:])
     return ServeStack(proc, log_path, fields, lines)
+
+
+@contextmanager
+def gateway_stack(
+    log_dir: Path, model_dir: Path, served_model_name: str, metrics_port: int
+) -> Iterator[tuple[ServeStack, grpc.Channel]]:
+    """``ordinal serve`` with every service and the gateway on free ports, serving ``served_model_name`` (512 KV pages;
+    metrics from ``metrics_port`` on), and a channel to its scheduler. On exit the launcher must stop cleanly."""
+    flags = ["--port", "0", "--executor-port", "0", "--grammar-port", "0", "--gateway-port", "0"]
+    flags += ["--metrics-port", str(metrics_port), "--served-model-name", served_model_name, "--num-pages", "512"]
+    stack = start_serve(log_dir / "serve.stderr", model_dir, *flags)
+    try:
+        with grpc.insecure_channel(stack.scheduler) as channel:
+            yield stack, channel
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.stderr()[-4000:]
 
 
 class ServiceProcess:

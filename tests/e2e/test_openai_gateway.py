@@ -33,9 +33,9 @@ from engine.model.tokenizer import Tokenizer
 from tests.e2e.stack import (
     ServeStack,
     free_port_block,
+    gateway_stack,
     greedy_request,
     prometheus_samples,
-    start_serve,
     wait_for_idle_load,
 )
 
@@ -92,16 +92,9 @@ class Gateway:
 @pytest.fixture(scope="module")
 def gateway(embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     metrics = free_port_block(3)  # scheduler, executor and gateway metrics: base, +1, +2
-    flags = ["--port", "0", "--executor-port", "0", "--grammar-port", "0", "--gateway-port", "0"]
-    flags += ["--metrics-port", str(metrics)]
-    flags += ["--served-model-name", MODEL, "--num-pages", "512"]
-    stack = start_serve(tmp_path_factory.mktemp("gateway") / "serve.stderr", embedded_model_dir, *flags)
-    try:
-        with grpc.insecure_channel(stack.scheduler) as channel:
-            yield Gateway(stack, channel, f"http://127.0.0.1:{metrics}/metrics")
-    finally:
-        code = stack.stop()
-    assert code == 0, stack.stderr()[-4000:]
+    log_dir = tmp_path_factory.mktemp("gateway")
+    with gateway_stack(log_dir, embedded_model_dir, MODEL, metrics) as (stack, channel):
+        yield Gateway(stack, channel, f"http://127.0.0.1:{metrics}/metrics")
 
 
 @pytest.fixture(scope="module")

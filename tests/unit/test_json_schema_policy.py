@@ -377,6 +377,7 @@ REFUSED = [
      "uniqueItems", "/properties/tags"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", "/"),
     ({"type": "integer", "multipleOf": 3, "minimum": 0}, "multipleOf", "/"),
+    ({"type": "integer", "multipleOf": 2, "minimum": 0, "maximum": 10_000}, "multipleOf", "/"),
     ({"type": "number", "multipleOf": 0.5}, "multipleOf", "/"),
     ({"type": "string", "pattern": '^a"b$'}, "pattern", "/"),
     ({"type": "string", "pattern": "^(?=a)ab$"}, "pattern", "/"),

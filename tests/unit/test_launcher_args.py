@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.config import EngineConfig
 from services.flags import (
     DEFAULT_METRICS_PORT,
+    JSON_INTEGER_RANGES,
     JSON_SCHEMA_MODES,
     add_engine_args,
     engine_argv,
@@ -31,7 +32,7 @@ from services.flags import (
     json_schema_mode,
 )
 from services.gateway import smg_argv
-from services.launcher import Endpoints, _metrics_ports, build_parser, main
+from services.launcher import Endpoints, _metrics_ports, build_parser, json_schema_argv, main
 from services.supervisor import RestartPolicy, ServiceFailedError, StopRequestedError, StopSignal, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -358,6 +359,26 @@ def test_grammar_service_checks_json_schemas_unless_told_otherwise() -> None:
         json_schema_mode(parse(["--loose-json-schema", "--json-schema", "strict"]))
     with pytest.raises(SystemExit):
         parse(["--json-schema", "lenient"])
+
+
+def test_json_integer_range_is_safe_unless_told_otherwise() -> None:
+    """The grammar service, the in-process scheduler and ``ordinal serve`` take ``--json-integer-range``; serve passes
+    it on to the grammar service it starts."""
+    from engine.grammar import CompilerConfig, IntegerRange
+    from services.grammar.__main__ import build_parser as grammar_parser
+    from services.scheduler.__main__ import build_parser as scheduler_parser
+
+    assert tuple(r.value for r in IntegerRange) == JSON_INTEGER_RANGES
+    assert IntegerRange(JSON_INTEGER_RANGES[0]) is CompilerConfig().json_integer_range is IntegerRange.SAFE
+    parsers = ((grammar_parser(), []), (scheduler_parser(), []), (build_parser(), ["serve"]))
+    for parser, prefix in parsers:
+        assert parser.parse_args(prefix).json_integer_range == "safe"
+        assert parser.parse_args([*prefix, "--json-integer-range", "unbounded"]).json_integer_range == "unbounded"
+        with pytest.raises(SystemExit):
+            parser.parse_args([*prefix, "--json-integer-range", "int64"])
+    serve = build_parser().parse_args(["serve", "--json-integer-range", "unbounded", "--json-schema", "strict"])
+    passed = grammar_parser().parse_args(json_schema_argv(serve))
+    assert (passed.json_integer_range, json_schema_mode(passed)) == ("unbounded", "strict")
 
 
 def test_grammar_subcommand_execs_the_service_module() -> None:

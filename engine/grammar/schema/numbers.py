@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# xgrammar 0.2.9 counts an integer step only over a range of at most this many integers; over a wider one it drops the
+# step silently ({"minimum": 0, "maximum": 10000, "multipleOf": 2} accepts 1; found by bisecting the range).
+STEP_RANGE_LIMIT = 10_000
 
 
 def rules(walker: Walker, node: dict[str, Any], pointer: str, depth: int) -> None:
@@ -47,6 +50,8 @@ def rules(walker: Walker, node: dict[str, Any], pointer: str, depth: int) -> Non
         raise Refused("multipleOf", "xgrammar handles integer steps up to 1024")
     if ("minimum" in node) != ("maximum" in node):
         raise Refused("multipleOf", "with a bound on one side only")
+    if "minimum" in node and node["maximum"] - node["minimum"] >= STEP_RANGE_LIMIT:
+        raise Refused("multipleOf", f"over a range of more than {STEP_RANGE_LIMIT} integers")
 
 
 def integer_bounds(walker: Walker, node: dict[str, Any]) -> None:

@@ -17,7 +17,8 @@ How xgrammar reads a schema node: the *first* of ``$ref``, ``const``, ``enum``, 
   never matches those (exact, or stricter); otherwise it expands the regex unrestricted (``{"pattern": "^a\\"b$"}``
   accepts ``"a"b"``). Lookaheads are silently dropped.
 - integer/number: the bounds; ``multipleOf`` only for integers, only with both or no bounds (``{"type": "integer",
-  "multipleOf": 3, "minimum": 0}`` accepts ``4``); a non-integer bound on an integer is a compile error.
+  "multipleOf": 3, "minimum": 0}`` accepts ``4``) and, with both, only over at most 10000 integers (``{"minimum": 0,
+  "maximum": 10000, "multipleOf": 2}`` accepts ``1``); a non-integer bound on an integer is a compile error.
 - array: ``items``, ``prefixItems``, ``minItems``, ``maxItems``; not ``uniqueItems`` (``[1,1]``), ``contains``;
   an array node with array keywords but no ``items`` allows no items at all (``minItems: 1`` fails to compile).
 - object: ``properties``, ``required`` (a required key missing from ``properties`` is ignored: ``{"type":
