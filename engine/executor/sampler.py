@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -180,8 +181,12 @@ class Sampler:
         else:
             processed = self.process_logits(raw, states, bitmask)  # [B, V]
             tokens = self._choose(processed, states)  # [B]
-        logprobs, top = self._logprobs(raw, tokens, states)
-        return SampleOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=top)
+        device_logprobs = self._logprobs(raw, tokens, states)
+        # One host sync per step: the tokens and any logprobs come back together.
+        host = to_host([tokens, *(t for t in device_logprobs if t is not None)])
+        token_ids = host[0]
+        logprobs, top = self._host_logprobs(device_logprobs, host[1:], states)
+        return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
 
     def _check_shapes(
         self, logits: torch.Tensor, states: Sequence[SamplingState], bitmask: torch.Tensor | None
@@ -359,16 +364,30 @@ class Sampler:
 
     def _logprobs(
         self, raw: torch.Tensor, tokens: torch.Tensor, states: Sequence[SamplingState]
-    ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """On the device: the chosen tokens' logprobs [B] and the top ``max top_logprobs`` values and ids [B, k]
+        (None where no row asked)."""
         if not any(s.wants_logprobs for s in states):
-            return None, None
+            return None, None, None
         lp = torch.log_softmax(raw, dim=-1)  # [B, V]
-        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()  # [B]
+        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
         k_max = max(s.params.top_logprobs for s in states)
         if k_max == 0:
-            return chosen, None
+            return chosen, None, None
         values, ids = lp.topk(min(k_max, self.vocab_size), dim=-1)  # [B, k_max], sorted descending
-        value_rows, id_rows = values.tolist(), ids.tolist()
+        return chosen, values, ids
+
+    @staticmethod
+    def _host_logprobs(
+        on_device: tuple[torch.Tensor | None, ...], host: list[list[Any]], states: Sequence[SamplingState]
+    ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+        """What :meth:`_logprobs` computed, as host lists (``host``: its non-None tensors, in order)."""
+        if on_device[0] is None:
+            return None, None
+        chosen = host[0]
+        if on_device[1] is None:
+            return chosen, None
+        value_rows, id_rows = host[1], host[2]
         top = [list(zip(id_rows[r], value_rows[r], strict=True))[: s.params.top_logprobs] for r, s in enumerate(states)]
         return chosen, top
 
@@ -382,6 +401,18 @@ class Sampler:
         row_t = torch.tensor(rows, dtype=torch.long, device=self.device)  # [R]
         count_t = torch.tensor(counts, dtype=torch.long, device=self.device)  # [R]
         return torch.repeat_interleave(row_t, count_t)  # [sum(counts)]
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
+    """Each tensor as (nested) host lists, with one wait for the device: on CUDA the copies go into pinned host
+    buffers without blocking, then the stream is synchronised once, instead of one blocking copy per tensor."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, tensor in zip(pinned, tensors, strict=True):
+        host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [host.tolist() for host in pinned]
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
