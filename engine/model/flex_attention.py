@@ -96,7 +96,8 @@ class FlexAttentionPlan:
                 keys, values = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
             mask = self.masks.get(f"chunk{i}")
             if mask is None:
-                mask = self.masks[f"chunk{i}"] = chunk_block_mask(chunk, self.window, keys.shape[2], batch.page_size)
+                mask = chunk_block_mask(chunk, self.window, keys.shape[2], batch.page_size, q.device)
+                self.masks[f"chunk{i}"] = mask
             query = q[rows].transpose(0, 1)[None]  # [1, H, n, D]
             o = self.attend_fn(query, keys, values, block_mask=mask, enable_gqa=True)  # [1, H, n, D]
             out[rows] = o[0].transpose(0, 1)
@@ -153,7 +154,9 @@ def decode_block_mask(group: DecodeGroup, window: int | None, slots: int) -> Any
     )
 
 
-def chunk_block_mask(chunk: PrefillChunk, window: int | None, num_keys: int, page_size: int) -> Any:
+def chunk_block_mask(
+    chunk: PrefillChunk, window: int | None, num_keys: int, page_size: int, device: torch.device
+) -> Any:
     """A prefill chunk's block mask (one batch row). Keys are the pool (``chunk.pages`` set: the chunk follows
     cached context) or the chunk's own fresh K/V. Visibility is the reference's own [n, ctx] mask where it has one
     (a tree's ancestry, windows), plain causality otherwise; the block table lists only the pages (or local key
@@ -161,12 +164,11 @@ def chunk_block_mask(chunk: PrefillChunk, window: int | None, num_keys: int, pag
     from torch.nn.attention.flex_attention import BlockMask
 
     n, start, ctx = chunk.num_tokens, chunk.start_pos, chunk.context_len
-    device = chunk.pages.device if chunk.pages is not None else (chunk.mask.device if chunk.mask is not None else None)
-    dense = chunk.mask if window is None else chunk.window_mask(window, device or torch.device("cpu"))  # [n, ctx]
+    dense = chunk.mask if window is None else chunk.window_mask(window, device)  # [n, ctx] or None: plain causal
     q_blocks = -(-n // Q_BLOCK)
     if chunk.pages is not None:
         block, blocks = page_size, chunk.pages  # [ctx pages]
-        page_counts = torch.tensor([blocks.shape[0]], device=blocks.device)  # [1]
+        page_counts = torch.tensor([blocks.shape[0]], device=device)  # [1]
         logical_page = page_of(blocks[None], page_counts, num_keys // page_size)[0]  # [N + 1]
 
         def logical_of(kv_idx: torch.Tensor) -> torch.Tensor:
@@ -190,7 +192,7 @@ def chunk_block_mask(chunk: PrefillChunk, window: int | None, num_keys: int, pag
     last = [min(n, (j + 1) * Q_BLOCK) + start for j in range(q_blocks)]
     counts = [-(-end // block) if chunk.depths is None else len(blocks) for end in last]
     return BlockMask.from_kv_blocks(
-        torch.tensor(counts, dtype=torch.int32, device=blocks.device).view(1, 1, q_blocks),  # [1, 1, QB]
+        torch.tensor(counts, dtype=torch.int32, device=device).view(1, 1, q_blocks),  # [1, 1, QB]
         blocks.to(torch.int32).expand(q_blocks, -1).reshape(1, 1, q_blocks, -1).contiguous(),  # [1, 1, QB, KB]
         BLOCK_SIZE=(Q_BLOCK, block),
         mask_mod=mask_mod,

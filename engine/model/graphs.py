@@ -236,7 +236,8 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: only this (the runner's) thread is captured; another thread's CUDA work is no error.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             entry.output = self._forward(static, self._kv)
         entry.graph = graph
         self.stats.captures += 1

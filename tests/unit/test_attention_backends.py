@@ -118,7 +118,7 @@ def test_block_tables_list_every_page_a_query_sees(window: int | None) -> None:
         assert seen[0] and seen[0] <= listed[0], (seen, listed)
     for chunk in batch.prefills:
         keys = slots if chunk.pages is not None else chunk.num_tokens
-        mask = flex.chunk_block_mask(chunk, window, keys, PAGE_SIZE)
+        mask = flex.chunk_block_mask(chunk, window, keys, PAGE_SIZE, torch.device("cpu"))
         seen, listed = visible_blocks(mask, 1, chunk.num_tokens, keys)[0], listed_blocks(mask)[0]
         assert all(v <= lst for v, lst in zip(seen, listed, strict=True)), (chunk, seen, listed)
         assert all(v for v in seen)  # every query block sees something: the check is not vacuous
