@@ -15,16 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from engine.config import AttentionBackendKind, CudaGraphConfig, EngineConfig
 from engine.kv.pool import KVPool
 from engine.model.attention import TorchAttention
 from engine.model.attention_backend import attention_backend
-from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.loader import random_model
 from services.flags import add_engine_args, engine_argv, engine_config
+from tests.support.models import tiny_llama
 
 flex = pytest.importorskip("engine.model.flex_attention")
 if flex.flex_unavailable() is not None:
@@ -126,16 +125,7 @@ def test_block_tables_list_every_page_a_query_sees(window: int | None) -> None:
 
 def test_the_model_with_flex_attention_gives_the_reference_logits() -> None:
     """A tiny random model: prefill, then two decode steps, through each backend into its own pool."""
-    hf = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        vocab_size=64,
-        max_position_embeddings=64,
-    )
-    config = ModelConfig.from_hf(hf.to_dict())
+    config = tiny_llama(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=64)
     logits = []
     for backend in (TorchAttention(), flex.FlexAttentionBackend(compiled=False)):
         model = random_model(config, torch.float32, "cpu", seed=9, std=0.2, attention=backend)

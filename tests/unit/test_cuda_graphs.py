@@ -8,16 +8,12 @@ real row's logits, never touches a request's KV, and that a shape change rebuild
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from engine.config import CudaGraphConfig, EngineConfig, SpecAlgorithm, SpeculativeConfig
 from engine.executor.runner import ModelRunner
 from engine.kv.pool import KVPool
-from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.graphs import DecodeGraphs, GraphMode, Launch, ShapeClass
 from engine.model.llama import LlamaForCausalLM
@@ -25,32 +21,16 @@ from engine.model.loader import random_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
 from tests.helpers import length_outputs, random_prompts
+from tests.support.models import single_thread, tiny_llama  # noqa: F401 (single_thread: an autouse fixture)
 
 PAGE_SIZE = 4
 NUM_PAGES = 32
 SIZES = CudaGraphConfig(batch_sizes=(1, 2, 4, 8))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    hf = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-    )
-    return random_model(ModelConfig.from_hf(hf.to_dict()), torch.float32, "cpu", seed=5, std=0.2)
+    return random_model(tiny_llama(), torch.float32, "cpu", seed=5, std=0.2)
 
 
 def pool(model: LlamaForCausalLM) -> KVPool:
