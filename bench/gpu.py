@@ -93,7 +93,7 @@ class Bench:
         self.setup = setup
         self.bandwidth = measure_bandwidth(setup.device)  # before the model and pool take the memory
         self.config = ModelConfig.from_hf(setup.shape)
-        backend = attention_backend(setup.backend, setup.device)
+        backend = attention_backend(setup.backend, setup.device, setup.page_size)
         self.backend_name = backend.name
         self.model = random_model(self.config, setup.dtype, setup.device, seed=0, attention=backend)
         pages_per_seq = -(-(setup.context + setup.steps + PROFILED_STEPS + 8) // setup.page_size)

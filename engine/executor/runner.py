@@ -126,9 +126,8 @@ class ModelRunner:
         device = torch.device(config.device)
         path = model_dir(config)
         tokenizer = Tokenizer.from_dir(path)
-        model, model_config = load_model(
-            path, config.torch_dtype, device, attention_backend(config.attention_backend, device)
-        )
+        attention = attention_backend(config.attention_backend, device, config.page_size)
+        model, model_config = load_model(path, config.torch_dtype, device, attention)
         info = ModelInfo(
             model_path=str(path),
             vocab_size=model_config.vocab_size,

@@ -49,19 +49,23 @@ class AttentionBackend(Protocol):
     def plan(self, batch: ForwardBatch, window: int | None) -> AttentionPlan: ...
 
 
-def attention_backend(kind: AttentionBackendKind, device: torch.device) -> AttentionBackend:
-    """The backend ``kind`` names for ``device``; AUTO is flex on CUDA (when it imports) and torch elsewhere.
+def attention_backend(kind: AttentionBackendKind, device: torch.device, page_size: int = 16) -> AttentionBackend:
+    """The backend ``kind`` names for ``device``; AUTO is flex on CUDA (when it can serve) and torch elsewhere.
 
-    Asking for flex where FlexAttention cannot be imported is an error naming the torch version; AUTO falls back
-    to the reference and says so in the log."""
+    Asking for flex where it cannot serve (FlexAttention missing from this torch; on CUDA a page size that is not a
+    multiple of 16, its kernels' smallest key tile) is an error saying why, at startup; AUTO falls back to the
+    reference and says so in the log."""
     if kind is AttentionBackendKind.TORCH or (kind is AttentionBackendKind.AUTO and device.type != "cuda"):
         return TorchAttention()
     from engine.model.flex_attention import FlexAttentionBackend, flex_unavailable
 
+    compiled = device.type == "cuda"
     reason = flex_unavailable()
+    if reason is None and compiled and page_size % 16:
+        reason = f"on CUDA it needs a page size that is a multiple of 16, got --page-size {page_size}"
     if reason is None:
-        return FlexAttentionBackend(compiled=device.type == "cuda")
+        return FlexAttentionBackend(compiled)
     if kind is AttentionBackendKind.FLEX:
         raise ValueError(f"--attention-backend flex: {reason}")
-    log.warning("attention backend: FlexAttention unavailable (%s); using the torch reference", reason)
+    log.warning("attention backend: FlexAttention cannot serve (%s); using the torch reference", reason)
     return TorchAttention()

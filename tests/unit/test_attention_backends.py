@@ -141,8 +141,13 @@ def test_backend_selection_defaults_by_device() -> None:
     cpu = torch.device("cpu")
     assert isinstance(attention_backend(AttentionBackendKind.AUTO, cpu), TorchAttention)
     assert isinstance(attention_backend(AttentionBackendKind.TORCH, cpu), TorchAttention)
-    chosen = attention_backend(AttentionBackendKind.FLEX, cpu)
-    assert isinstance(chosen, flex.FlexAttentionBackend) and not chosen.compiled  # eager on CPU
+    chosen = attention_backend(AttentionBackendKind.FLEX, cpu, page_size=4)
+    assert isinstance(chosen, flex.FlexAttentionBackend) and not chosen.compiled  # eager on CPU, any page size
+    # On CUDA (decided before anything touches a device): the kernels need pages of a multiple of 16 tokens.
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="multiple of 16, got --page-size 8"):
+        attention_backend(AttentionBackendKind.FLEX, cuda, page_size=8)
+    assert isinstance(attention_backend(AttentionBackendKind.AUTO, cuda, page_size=8), TorchAttention)
 
 
 def test_kernel_flags_reach_the_config_and_the_child_command_lines() -> None:
