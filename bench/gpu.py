@@ -177,9 +177,12 @@ class Bench:
         return idle_share(list(_kernel_intervals(prof)))
 
     def limit(self, batch: int) -> float:
-        """Decode tok/s if every step only read the weights and the batch's KV once at the measured bandwidth."""
+        """Decode tok/s if every step only read the weights (the embedding table aside) and the batch's KV once, at
+        the measured bandwidth."""
         cfg = self.config
         params = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        if not cfg.tie_word_embeddings:  # a step reads only its batch's rows of the embedding table
+            params.pop(self.model.model.embed_tokens.weight.data_ptr())
         kv_per_token = KVPool.bytes_per_page(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, self.setup.dtype)
         kv_len = self.setup.context + self.setup.steps // 2
         step_bytes = sum(params.values()) + batch * kv_len * kv_per_token
@@ -294,7 +297,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup = parse(argv)
     started = time.perf_counter()
     bench = Bench(setup)
-    rows, prefill = [], float("nan")
+    out = Path(os.environ.get("OUT") or "bench-out")
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    prefill = float("nan")
     modes = [setup.graphs] + ([GraphMode.OFF] if setup.compare and setup.graphs is not GraphMode.OFF else [])
     for batch in setup.batches:
         for mode in modes:
@@ -303,13 +309,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             if batch == max(setup.batches) and mode is modes[0]:
                 prefill = prefill_tok_s
             print(f"batch {batch} graphs {mode.value}: {row.tok_s:.1f} tok/s", flush=True)
-    text = table(setup, bench.backend_name, bench.bandwidth, rows, prefill)
-    print(text)
+            # Written after every row: a run cut short by its time limit still leaves what it measured.
+            write(out, table(setup, bench.backend_name, bench.bandwidth, rows, prefill), rows, prefill, bench.bandwidth)
+    print(table(setup, bench.backend_name, bench.bandwidth, rows, prefill))
     print(f"(took {time.perf_counter() - started:.0f} s)")
-    out = Path(os.environ.get("OUT") or "bench-out")
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def write(out: Path, text: str, rows: list[Row], prefill: float, bandwidth: float) -> None:
     (out / "gpu-bench.md").write_text(text + "\n", encoding="utf-8")
-    record = {"rows": [asdict(r) for r in rows], "prefill_tok_s": prefill, "bandwidth": bench.bandwidth}
+    record = {"rows": [asdict(r) for r in rows], "prefill_tok_s": prefill, "bandwidth": bandwidth}
     (out / "gpu-bench.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
