@@ -160,6 +160,10 @@ def chunk_block_mask(
 
     n, start, ctx = chunk.num_tokens, chunk.start_pos, chunk.context_len
     dense = chunk.mask if window is None else chunk.window_mask(window, device)  # [n, ctx] or None: plain causal
+    # The chunk's position as tensors, not Python ints, inside mask_mod: a compiled kernel would be specialised (and
+    # recompiled) for every value an int takes.
+    start_at = torch.tensor(start, device=device)
+    last_key = torch.tensor(ctx - 1, device=device)
     q_blocks = -(-n // Q_BLOCK)
     if chunk.pages is not None:
         block, blocks = page_size, chunk.pages  # [ctx pages]
@@ -168,7 +172,7 @@ def chunk_block_mask(
 
         def logical_of(kv_idx: torch.Tensor) -> torch.Tensor:
             page = logical_page[kv_idx // page_size]
-            return torch.where(page >= 0, page * page_size + kv_idx % page_size, ctx)  # ctx: not this sequence's
+            return torch.where(page >= 0, page * page_size + kv_idx % page_size, -1)  # -1: not this sequence's
     else:
         block = LOCAL_KV_BLOCK
         blocks = torch.arange(-(-n // block), device=device)  # [n blocks]
@@ -178,10 +182,10 @@ def chunk_block_mask(
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         logical = logical_of(kv_idx)
-        inside = logical < ctx
+        inside = (logical >= 0) & (logical <= last_key)
         if dense is not None:
-            return inside & dense[q_idx, torch.clamp(logical, max=ctx - 1)]
-        return inside & (logical <= start + q_idx)
+            return inside & dense[q_idx, torch.minimum(torch.clamp(logical, min=0), last_key)]
+        return inside & (logical <= start_at + q_idx)
 
     # Query block j sees at most the keys up to its last query's position (everything, for a tree or a window).
     last = [min(n, (j + 1) * Q_BLOCK) + start for j in range(q_blocks)]
