@@ -32,6 +32,7 @@ from engine.model.forward_batch import DecodeGroup, ForwardBatch, PrefillChunk
 
 Q_BLOCK = 128  # FlexAttention's default sparse query block
 LOCAL_KV_BLOCK = 128  # key block of a chunk that attends only to its own fresh K/V (no pages)
+DEFAULT_BLOCK_N = 64  # the key tile of torch's default flex prefill kernel configuration
 
 
 def flex_unavailable() -> str | None:
@@ -85,8 +86,11 @@ class FlexAttentionPlan:
             out.index_copy_(0, group.rows, self._decode(group, q.index_select(0, group.rows), pool_k, pool_v))
         for i, chunk in enumerate(batch.prefills):
             rows = slice(chunk.row_start, chunk.row_end)
+            options = None
             if chunk.pages is not None:
                 keys, values = pool_k, pool_v
+                # The prefill kernel's key tile (64 by default) must divide the sparse block, here a page.
+                options = {"BLOCK_N": batch.page_size} if batch.page_size < DEFAULT_BLOCK_N else None
             else:  # a chunk at position 0 attends to its own fresh K/V only
                 keys, values = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
             mask = self.masks.get(f"chunk{i}")
@@ -94,7 +98,9 @@ class FlexAttentionPlan:
                 mask = chunk_block_mask(chunk, self.window, keys.shape[2], batch.page_size, q.device)
                 self.masks[f"chunk{i}"] = mask
             query = q[rows].transpose(0, 1)[None]  # [1, H, n, D]
-            o = self.attend_fn(query, keys, values, block_mask=mask, enable_gqa=True)  # [1, H, n, D]
+            o = self.attend_fn(
+                query, keys, values, block_mask=mask, enable_gqa=True, kernel_options=options
+            )  # [1, H, n, D]
             out[rows] = o[0].transpose(0, 1)
         return out
 

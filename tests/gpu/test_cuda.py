@@ -99,7 +99,8 @@ def test_bf16_forward_matches_float32_transformers_within_the_bf16_tolerance(che
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_flex_attention_equals_the_reference_on_every_kind_of_query(dtype: torch.dtype) -> None:
     """The compiled Triton kernels (which, unlike eager FlexAttention, visit only the listed pages): decodes, a verify
-    chain, a fresh prefill, a chunk after context and a draft tree, with and without a window."""
+    chain, a fresh prefill, chunks after context (short: the decoding kernel; 140 tokens: the prefill kernel with its
+    key tile cut to the page) and a draft tree, with and without a window."""
     gen = torch.Generator().manual_seed(2)
     pages = torch.randperm(NUM_PAGES, generator=gen).tolist()
     seqs = [
@@ -109,6 +110,7 @@ def test_compiled_flex_attention_equals_the_reference_on_every_kind_of_query(dty
         SeqInput([1] * 150, 0, pages[6:16], LogitsMode.ALL),
         SeqInput([1] * 30, 33, pages[16:21], LogitsMode.ALL),
         SeqInput([1] * 5, 17, pages[21:23], LogitsMode.ALL, (-1, 0, 0, 1, 2)),
+        SeqInput([1] * 140, 20, pages[23:33], LogitsMode.ALL),  # long enough for the prefill kernel over pages
     ]
     batch = ForwardBatch.build(seqs, PAGE_SIZE, CUDA)
     heads, kv_heads, dim = 8, 2, 64
