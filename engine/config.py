@@ -10,6 +10,43 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class AttentionBackendKind(enum.Enum):
+    """The executor's attention kernels (``--attention-backend``; engine/model/attention_backend.py)."""
+
+    AUTO = "auto"  # flex on CUDA, torch elsewhere
+    TORCH = "torch"  # the reference: native CPU decode kernel, SDPA over gathered pages
+    FLEX = "flex"  # FlexAttention with paged block masks (Triton on CUDA)
+
+
+# The decode batch sizes a CUDA graph is captured for (a batch is padded up to the next one), SGLang's spacing.
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """CUDA graphs for decode steps (``--no-cuda-graph`` turns them off; they exist only on CUDA).
+
+    A step whose every query is a decode query (single tokens and short verify chains: engine/model/graphs.py) is
+    padded to the smallest of ``batch_sizes`` that holds its query rows and replayed from the graph captured for
+    that size; larger steps, prefill chunks and draft trees run eagerly."""
+
+    enabled: bool = True
+    batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+
+    def __post_init__(self) -> None:
+        sizes = self.batch_sizes
+        if not sizes or any(b < 1 for b in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"CUDA graph batch sizes must be distinct, ascending and >= 1, got {sizes}")
+
+    @classmethod
+    def up_to(cls, max_batch: int, enabled: bool = True) -> CudaGraphConfig:
+        """The default sizes up to ``max_batch`` (included as the last size)."""
+        if max_batch < 1:
+            raise ValueError(f"CUDA graph max batch size must be >= 1, got {max_batch}")
+        sizes = (*(b for b in DEFAULT_GRAPH_BATCH_SIZES if b < max_batch), max_batch)
+        return cls(enabled, sizes)
+
+
 class SpecAlgorithm(enum.Enum):
     """Where speculative drafts come from (SGLang's ``--speculative-algorithm`` names)."""
 
@@ -77,6 +114,7 @@ class EngineConfig:
     invariants after every scheduler event; a violation stops the loop loudly.
     ``outage_timeout_s``: how long a request waits for a lost executor or grammar service to come back (queued
     requests for the executor, new constrained requests for the grammar service) before it ends UNAVAILABLE.
+    ``attention_backend`` and ``cuda_graph``: the executor's attention kernels and decode CUDA graphs (CUDA only).
     """
 
     model_path: str | None = None
@@ -95,6 +133,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     check_invariants: bool = False
     outage_timeout_s: float = 30.0
+    attention_backend: AttentionBackendKind = AttentionBackendKind.AUTO
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

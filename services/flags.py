@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, SpeculativeConfig
+    from engine.config import AttentionBackendKind, CudaGraphConfig, EngineConfig, SpeculativeConfig
 
 DEFAULT_PORT = 30000
 DEFAULT_EXECUTOR_PORT = 30001
@@ -121,6 +121,43 @@ def add_engine_tuning_args(parser: argparse.ArgumentParser) -> None:
         "executor, new constrained ones for the grammar service) before it fails with UNAVAILABLE",
     )
     add_speculative_args(parser)
+    add_kernel_args(parser)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "flex")  # engine.config.AttentionBackendKind's values (no engine import)
+
+
+def add_kernel_args(parser: argparse.ArgumentParser) -> None:
+    """How the executor runs its forward on a GPU: attention kernels and decode CUDA graphs."""
+    defaults = _engine_defaults().cuda_graph
+    group = parser.add_argument_group("executor kernels")
+    group.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="torch: the reference (native CPU decode kernel, SDPA over gathered pages elsewhere); flex: "
+        "FlexAttention with paged block masks, reading the KV pages in place (Triton on CUDA); auto: flex on CUDA, "
+        "torch elsewhere",
+    )
+    group.add_argument(
+        "--no-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA (graphs exist only on CUDA)"
+    )
+    group.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=defaults.batch_sizes[-1],
+        help="the largest decode batch (query rows) captured in a CUDA graph; larger steps run eagerly",
+    )
+
+
+def kernel_config(args: argparse.Namespace) -> tuple[AttentionBackendKind, CudaGraphConfig]:
+    from engine.config import AttentionBackendKind, CudaGraphConfig
+
+    try:
+        graphs = CudaGraphConfig.up_to(args.cuda_graph_max_bs, enabled=not args.no_cuda_graph)
+    except ValueError as error:
+        raise SystemExit(f"ordinal: --cuda-graph-max-bs: {error}") from error
+    return AttentionBackendKind(args.attention_backend), graphs
 
 
 SPEC_ALGORITHMS = ("draft", "ngram")  # engine.config.SpecAlgorithm's values but none (no engine import)
@@ -187,6 +224,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from engine.config import EngineConfig
 
+    attention, graphs = kernel_config(args)
     return EngineConfig(
         model_path=args.model,
         device=args.device,
@@ -200,6 +238,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         grammar_overlap=args.grammar_overlap == "on",
         speculative=speculative_config(args),
         outage_timeout_s=args.outage_timeout,
+        attention_backend=attention,
+        cuda_graph=graphs,
     )
 
 
@@ -222,6 +262,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         args.grammar_overlap,
         "--outage-timeout",
         str(args.outage_timeout),
+        "--attention-backend",
+        args.attention_backend,
+        "--cuda-graph-max-bs",
+        str(args.cuda_graph_max_bs),
     ]
     if args.speculative_algorithm:
         argv += ["--speculative-algorithm", args.speculative_algorithm]
@@ -236,6 +280,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--no-overlap")
     if args.no_prefix_cache:
         argv.append("--no-prefix-cache")
+    if args.no_cuda_graph:
+        argv.append("--no-cuda-graph")
     return argv
 
 

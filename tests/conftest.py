@@ -11,7 +11,7 @@ import torch
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    skip = pytest.mark.skip(reason="needs CUDA (on a device: bash scripts/gpu-check)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

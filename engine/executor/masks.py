@@ -75,11 +75,20 @@ class PendingMasks:
         try:
             refusals = self._wait.result()
         except Exception as exc:  # the grammar service is unreachable: these rows cannot be sampled correctly
-            return StepMasks(self._bitmask.to(device), {row: f"grammar masks unavailable: {exc}" for row in self._rows})
+            unavailable = {row: f"grammar masks unavailable: {exc}" for row in self._rows}
+            return StepMasks(_on_device(self._bitmask, device), unavailable)
         errors = {
             self._rows[i]: f"grammar mask refused ({code.value}): {message}" for i, (code, message) in refusals.items()
         }
-        return StepMasks(self._bitmask.to(device), errors)
+        return StepMasks(_on_device(self._bitmask, device), errors)
+
+
+def _on_device(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The step's bitmask on the sampling device. On CUDA from pinned memory without blocking: a copy from pageable
+    memory would first wait for the forward queued on the stream."""
+    if device.type != "cuda":
+        return bitmask.to(device)
+    return bitmask.pin_memory().to(device, non_blocking=True)
 
 
 class MaskFetcher:

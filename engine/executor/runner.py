@@ -26,8 +26,10 @@ from engine.executor.sampler import Sampler, SamplingState
 from engine.executor.verify import Verdict, Verifier, VerifyItem
 from engine.grammar_calls import GrammarBackend
 from engine.kv.pool import KVPool
+from engine.model.attention_backend import attention_backend
 from engine.model.folder import model_dir
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
+from engine.model.graphs import DecodeGraphs, GraphMode
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.tokenizer import Tokenizer
@@ -96,8 +98,10 @@ class ModelRunner:
         masks: MaskFetcher | None = None,
         proposer: Proposer | None = None,
         spec: SpeculativeConfig | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.info = info
+        self._graphs = graphs  # decode steps through static buffers and CUDA graphs (None: the model directly)
         self._masks = masks
         self._model = model
         self._kv = kv
@@ -112,14 +116,18 @@ class ModelRunner:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-runner")
 
     @classmethod
-    def load(cls, config: EngineConfig, grammar: GrammarBackend | None = None) -> ModelRunner:
+    def load(
+        cls, config: EngineConfig, grammar: GrammarBackend | None = None, graph_mode: GraphMode | None = None
+    ) -> ModelRunner:
         """Load the model (the embedded default when ``config.model_path`` is None) and size the KV pool.
 
-        ``grammar``: where constrained entries get their fenced masks (None: constrained entries are refused)."""
+        ``grammar``: where constrained entries get their fenced masks (None: constrained entries are refused).
+        ``graph_mode``: decode steps through CUDA graphs (None: as ``config.cuda_graph`` and the device decide)."""
         device = torch.device(config.device)
         path = model_dir(config)
         tokenizer = Tokenizer.from_dir(path)
-        model, model_config = load_model(path, config.torch_dtype, device)
+        attention = attention_backend(config.attention_backend, device, config.page_size)
+        model, model_config = load_model(path, config.torch_dtype, device, attention)
         info = ModelInfo(
             model_path=str(path),
             vocab_size=model_config.vocab_size,
@@ -130,6 +138,9 @@ class ModelRunner:
             page_size=config.page_size,
             num_pages=config.num_pages,
         )
+        if graph_mode is None:
+            graph_mode = GraphMode.of(config.cuda_graph, device)
+        use_graphs = graph_mode is not GraphMode.OFF
         kv = KVPool(
             model_config.num_layers,
             config.num_pages,
@@ -138,10 +149,14 @@ class ModelRunner:
             model_config.head_dim,
             config.torch_dtype,
             device,
+            scratch_page=use_graphs,
         )
         masks = MaskFetcher(grammar, info.vocab_size, config.mask_wait_s) if grammar is not None else None
         proposer = load_proposer(config, info, device)
-        return cls(model, kv, info, device, masks, proposer, config.speculative)
+        widest = -(-info.max_context // config.page_size)
+        capture = graph_mode is GraphMode.CAPTURE
+        graphs = DecodeGraphs(model, kv, config.cuda_graph, widest, capture) if use_graphs else None
+        return cls(model, kv, info, device, masks, proposer, config.speculative, graphs)
 
     # ------------------------------------------------------------ asynchronous interface
 
@@ -172,6 +187,11 @@ class ModelRunner:
         return len(self._slots)
 
     @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode graph runner (None: every step runs the model as built)."""
+        return self._graphs
+
+    @property
     def proposer_slots(self) -> int:
         """Slots the speculative proposer keeps state for (0 without one)."""
         return self._proposer.num_slots if self._proposer is not None else 0
@@ -197,7 +217,7 @@ class ModelRunner:
             batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
             forward_started = time.perf_counter() - started
             cpu = time.thread_time()
-            logits = self._model(batch, self._kv)  # [logits rows: 1 per sampling entry, 1 + m per draft of m, V]
+            logits = self._forward(batch)  # [logits rows: 1 per sampling entry, 1 + m per draft of m, V]
         except BaseException:
             if pending is not None:
                 pending.close()  # an open fence would be filled by every later commit, into a buffer nobody reads
@@ -216,6 +236,11 @@ class ModelRunner:
             drafts.seconds,
         )
         return StepResult(plan.step_id, runs, timing)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self._graphs is not None:
+            return self._graphs.forward(batch)
+        return self._model(batch, self._kv)
 
     def _resolve(self, plan: StepPlan) -> list[ResolvedEntry]:
         if len({entry.slot for entry in plan.entries}) != len(plan.entries):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -166,6 +167,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._byte_caps = _byte_caps(self.device)  # [256, 8]
+        self._minus_inf = torch.tensor(float("-inf"), device=self.device)
         self._bitmask_kernel = token_bitmask_kernel() if native and self.device.type == "cpu" else None
 
     def sample(
@@ -180,8 +182,12 @@ class Sampler:
         else:
             processed = self.process_logits(raw, states, bitmask)  # [B, V]
             tokens = self._choose(processed, states)  # [B]
-        logprobs, top = self._logprobs(raw, tokens, states)
-        return SampleOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=top)
+        device_logprobs = self._logprobs(raw, tokens, states)
+        # One host sync per step: the tokens and any logprobs come back together.
+        host = to_host([tokens, *(t for t in device_logprobs if t is not None)])
+        token_ids = host[0]
+        logprobs, top = self._host_logprobs(device_logprobs, host[1:], states)
+        return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
 
     def _check_shapes(
         self, logits: torch.Tensor, states: Sequence[SamplingState], bitmask: torch.Tensor | None
@@ -263,7 +269,7 @@ class Sampler:
             return
         banned = [ids for _, ids in rows if ids is not None]
         row_idx = self._repeat_rows([r for r, _ in rows], [ids.numel() for ids in banned])  # [K]
-        x.index_put_((row_idx, torch.cat(banned)), torch.tensor(float("-inf"), device=self.device))
+        x.index_put_((row_idx, torch.cat(banned)), self._minus_inf)
 
     def _apply_penalties(
         self, x: torch.Tensor, states: Sequence[SamplingState], ahead: Sequence[Sequence[int]] | None
@@ -280,7 +286,7 @@ class Sampler:
         rep = self._column([s.params.repetition_penalty for s in picked])  # [P, 1]
         freq = self._column([s.params.frequency_penalty for s in picked])  # [P, 1]
         pres = self._column([s.params.presence_penalty for s in picked])  # [P, 1]
-        row_idx = torch.tensor(rows, dtype=torch.long, device=self.device)  # [P]
+        row_idx = to_device(rows, torch.long, self.device)  # [P]
         sel = x[row_idx]  # [P, V]
         output_seen = counts > 0  # [P, V]
         penalized = torch.where(sel > 0, sel / rep, sel * rep)  # [P, V]
@@ -293,7 +299,7 @@ class Sampler:
         counts = torch.zeros(len(ahead), self.vocab_size, dtype=torch.float32, device=self.device)  # [P, V]
         row_idx = self._repeat_rows(list(range(len(ahead))), [len(a) for a in ahead])  # [N]
         if row_idx.numel():
-            ids = torch.tensor([t for a in ahead for t in a], dtype=torch.long, device=self.device)  # [N]
+            ids = to_device([t for a in ahead for t in a], torch.long, self.device)  # [N]
             counts.index_put_((row_idx, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
         return counts
 
@@ -303,11 +309,11 @@ class Sampler:
         tokens = _argmax(x)  # [B]
         sampled = [r for r, s in enumerate(states) if not s.params.greedy]
         if sampled:
-            idx = torch.tensor(sampled, dtype=torch.long, device=self.device)  # [S]
+            idx = to_device(sampled, torch.long, self.device)  # [S]
             tokens[idx] = self._draw(x[idx], [states[r] for r in sampled])
         # A row with every logit at -inf has no valid choice (its argmax / draw is meaningless).
         dead = x.amax(dim=-1) == float("-inf")  # [B]
-        fallback = torch.tensor([s.fallback_token for s in states], dtype=torch.long, device=self.device)  # [B]
+        fallback = to_device([s.fallback_token for s in states], torch.long, self.device)  # [B]
         return torch.where(dead, fallback, tokens)  # [B]
 
     def _draw(self, x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -337,7 +343,7 @@ class Sampler:
         # Stable sort: among equal probabilities the lowest id ranks first, as with argmax.
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [S, V]
         ranks = torch.arange(self.vocab_size, device=self.device).unsqueeze(0)  # [1, V]
-        k = torch.tensor(top_k, dtype=torch.long, device=self.device).unsqueeze(1)  # [S, 1]
+        k = to_device(top_k, torch.long, self.device).unsqueeze(1)  # [S, 1]
         drop = ranks >= k  # [S, V]
         kept = sorted_probs.masked_fill(drop, 0.0)  # [S, V]
         cum = kept.cumsum(dim=-1)  # [S, V]
@@ -359,29 +365,64 @@ class Sampler:
 
     def _logprobs(
         self, raw: torch.Tensor, tokens: torch.Tensor, states: Sequence[SamplingState]
-    ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """On the device: the chosen tokens' logprobs [B] and the top ``max top_logprobs`` values and ids [B, k]
+        (None where no row asked)."""
         if not any(s.wants_logprobs for s in states):
-            return None, None
+            return None, None, None
         lp = torch.log_softmax(raw, dim=-1)  # [B, V]
-        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()  # [B]
+        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
         k_max = max(s.params.top_logprobs for s in states)
         if k_max == 0:
-            return chosen, None
+            return chosen, None, None
         values, ids = lp.topk(min(k_max, self.vocab_size), dim=-1)  # [B, k_max], sorted descending
-        value_rows, id_rows = values.tolist(), ids.tolist()
+        return chosen, values, ids
+
+    @staticmethod
+    def _host_logprobs(
+        on_device: tuple[torch.Tensor | None, ...], host: list[list[Any]], states: Sequence[SamplingState]
+    ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+        """What :meth:`_logprobs` computed, as host lists (``host``: its non-None tensors, in order)."""
+        if on_device[0] is None:
+            return None, None
+        chosen = host[0]
+        if on_device[1] is None:
+            return chosen, None
+        value_rows, id_rows = host[1], host[2]
         top = [list(zip(id_rows[r], value_rows[r], strict=True))[: s.params.top_logprobs] for r, s in enumerate(states)]
         return chosen, top
 
     # ---- helpers ----
 
     def _column(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)  # [N, 1]
+        return to_device(values, torch.float32, self.device).unsqueeze(1)  # [N, 1]
 
     def _repeat_rows(self, rows: list[int], counts: list[int]) -> torch.Tensor:
         """Row index of every (row, token) pair when row r contributes counts[r] tokens."""
-        row_t = torch.tensor(rows, dtype=torch.long, device=self.device)  # [R]
-        count_t = torch.tensor(counts, dtype=torch.long, device=self.device)  # [R]
-        return torch.repeat_interleave(row_t, count_t)  # [sum(counts)]
+        row_t = to_device(rows, torch.long, self.device)  # [R]
+        count_t = to_device(counts, torch.long, self.device)  # [R]
+        # output_size: with it known on the host, repeat_interleave need not read the counts back from the device.
+        return torch.repeat_interleave(row_t, count_t, output_size=sum(counts))  # [sum(counts)]
+
+
+def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-step host list as a device tensor. On CUDA through pinned memory without blocking: a copy from
+    pageable memory would first wait for everything queued on the stream (the forward), a host sync per call."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
+    """Each tensor as (nested) host lists, with one wait for the device: on CUDA the copies go into pinned host
+    buffers without blocking, then the stream is synchronised once, instead of one blocking copy per tensor."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, tensor in zip(pinned, tensors, strict=True):
+        host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [host.tolist() for host in pinned]
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

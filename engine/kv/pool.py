@@ -12,6 +12,10 @@ class KVPool:
     request whose page table is T lives at flat slot ``T[p // page_size] * page_size + p % page_size``.
     The pool is zero-filled: attention gathers padded rows from arbitrary slots and masks them out, and
     masking only neutralises finite values (NaN garbage from ``torch.empty`` would poison softmax).
+
+    ``scratch_page`` adds one page past the ``num_pages`` addressable ones, which no page table can name: the rows
+    a CUDA-graph batch is padded with write their K/V there (engine/model/graphs.py), so padding never touches a
+    request's KV.
     """
 
     def __init__(
@@ -23,6 +27,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        scratch_page: bool = False,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -36,9 +41,11 @@ class KVPool:
         self._num_layers = num_layers
         self._num_pages = num_pages
         self._page_size = page_size
+        self._scratch_slot = num_pages * page_size if scratch_page else None
+        physical_pages = num_pages + 1 if scratch_page else num_pages
         # One allocation; k(layer) / v(layer) are contiguous views into it.
         self._buffer = torch.zeros(
-            (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            (num_layers, 2, physical_pages * page_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )  # [layers, K|V, slots, Hkv, D]
 
     def k(self, layer: int) -> torch.Tensor:
@@ -54,6 +61,11 @@ class KVPool:
         accepted path compacted into place, C11). All sources are read before any destination is written."""
         rows = self._buffer.index_select(2, src)  # [layers, 2, N, Hkv, D]
         self._buffer.index_copy_(2, dst, rows)
+
+    @property
+    def scratch_slot(self) -> int | None:
+        """The first slot of the scratch page (None without one): written by padding rows, read by nobody."""
+        return self._scratch_slot
 
     @property
     def num_layers(self) -> int:

@@ -1,7 +1,9 @@
-"""Paged causal attention over the KV pool: one call for all decodes, one SDPA call per prefill chunk.
+"""The torch reference attention backend: paged causal attention over the KV pool, one call for all decodes, one
+SDPA call per prefill chunk.
 
 Decodes on CPU float32 run the native paged kernel (``engine/model/native.py``); other devices and dtypes
-gather whole pages and call SDPA.
+gather whole pages and call SDPA. It runs everywhere and is what every CPU test checks against transformers; the
+interface it implements is in ``engine/model/attention_backend.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,36 @@ class AttentionMasks:
         return cls(window, decode, tuple(chunk.window_mask(window, device) for chunk in batch.prefills))
 
 
+@dataclass(frozen=True, eq=False)
+class TorchAttentionPlan:
+    """The reference backend's plan for one forward and one window: the batch and its masks."""
+
+    batch: ForwardBatch
+    masks: AttentionMasks
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, self.batch, self.masks)
+
+
+class TorchAttention:
+    """The reference backend: today's paged attention, unchanged numerics, on every device and dtype."""
+
+    name = "torch"
+
+    def plan(self, batch: ForwardBatch, window: int | None) -> TorchAttentionPlan:
+        return TorchAttentionPlan(batch, AttentionMasks.for_window(batch, window))
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write this step's K/V ([T, Hkv, D]) into the pool at ``slots`` [T], before any attention reads it."""
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,8 +82,7 @@ def paged_attention(
     Query head h reads KV head h // (H // Hkv), as transformers' repeat_kv does.
     """
     # Write first: a decode token's own key must be in the pool before attention reads it.
-    k_cache.index_copy_(0, batch.write_slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, batch.write_slots, v.to(v_cache.dtype))
+    store_kv(k, v, k_cache, v_cache, batch.write_slots)
     group = batch.decode
     if group is not None and group.covers_batch:
         return decode_attention(q, k_cache, v_cache, group, masks.window, masks.decode)

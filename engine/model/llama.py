@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from engine.kv.pool import KVPool
-from engine.model.attention import AttentionMasks, paged_attention
+from engine.model.attention import TorchAttention
+from engine.model.attention_backend import AttentionBackend, AttentionPlan
 from engine.model.config import ModelConfig, RopeScaling
 from engine.model.forward_batch import ForwardBatch
 
@@ -116,8 +117,7 @@ class LlamaAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        batch: ForwardBatch,
-        masks: AttentionMasks,
+        attention: AttentionPlan,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -127,7 +127,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, k_cache, v_cache, batch, masks)  # [T, H, D]
+        o = attention.attend(q, k, v, k_cache, v_cache)  # [T, H, D]
         return self.o_proj(o.reshape(tokens, -1))  # [T, hidden]
 
 
@@ -161,10 +161,9 @@ class LlamaDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        batch: ForwardBatch,
-        masks: AttentionMasks,
+        attention: AttentionPlan,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, k_cache, v_cache, batch, masks)  # [T, hidden]
+        h = h + self.self_attn(self.input_layernorm(h), rope, k_cache, v_cache, attention)  # [T, hidden]
         return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
 
 
@@ -183,12 +182,20 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The causal LM: one ``forward`` per engine step over a ForwardBatch and the KV pool.
 
-    Weights are uninitialised until ``engine.model.loader.load_model`` fills them.
+    Weights are uninitialised until ``engine.model.loader.load_model`` fills them. ``attention``: the attention
+    backend (engine/model/attention_backend.py; default the torch reference).
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        attention: AttentionBackend | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.attention: AttentionBackend = attention if attention is not None else TorchAttention()
         self.model = LlamaModel(config, dtype, device)
         self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
         if config.tie_word_embeddings:
@@ -200,16 +207,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         """Run one step; returns float32 logits ``[batch.num_logits_rows, vocab]`` in sequence order."""
-        self._check(batch, kv)
-        masks = {w: AttentionMasks.for_window(batch, w) for w in set(self._windows)}
+        self.check(batch, kv)
+        plans = {w: self.attention.plan(batch, w) for w in set(self._windows)}
         rope = self.model.rotary_emb(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, kv.k(i), kv.v(i), batch, masks[self._windows[i]])  # [T, hidden]
+            h = layer(h, rope, kv.k(i), kv.v(i), plans[self._windows[i]])  # [T, hidden]
         h = self.model.norm(h.index_select(0, batch.logits_rows))  # [R, hidden]
         return self.lm_head(h).float()  # [R, V]
 
-    def _check(self, batch: ForwardBatch, kv: KVPool) -> None:
+    def check(self, batch: ForwardBatch, kv: KVPool) -> None:
+        """A batch the model can run over ``kv``; raises ValueError naming what does not fit."""
         # Checked on host-side ints: an out-of-range index on CUDA would be an opaque device assert.
         if batch.max_position >= self.model.rotary_emb.max_positions:
             raise ValueError(

@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.errors import CheckpointError
+from engine.model.attention_backend import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 
@@ -19,19 +20,19 @@ _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device | str
+    path: str | Path, dtype: torch.dtype, device: torch.device | str, attention: AttentionBackend | None = None
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model described by ``path/config.json`` and fill every parameter from safetensors.
 
     Every tensor is cast to ``dtype`` and copied to ``device`` as it is read, so peak host memory is one
     tensor, not the checkpoint. Any inconsistency between the folder and the model is a CheckpointError
-    naming the file and the tensor.
+    naming the file and the tensor. ``attention``: the attention backend (default the torch reference).
     """
     folder = Path(path)
     config = ModelConfig.from_dir(folder)
     files = _weight_files(folder)
     names_by_file = {file: _tensor_names(file) for file in files}
-    model = LlamaForCausalLM(config, dtype, device)
+    model = LlamaForCausalLM(config, dtype, device, attention)
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away
     _check_names(folder, names_by_file, params, config.tie_word_embeddings)
     for file, names in names_by_file.items():
@@ -115,3 +116,24 @@ def _load_file(file: Path, names: list[str], params: dict[str, torch.nn.Paramete
                     f"{file}: tensor {name} has shape {list(shape)} but the model expects {list(param.shape)}"
                 )
             param.copy_(f.get_tensor(name))  # casts to the model's dtype and device
+
+
+def random_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    std: float = 0.02,
+    attention: AttentionBackend | None = None,
+) -> LlamaForCausalLM:
+    """A model of ``config``'s shape with seeded random weights (norms 1, the rest normal with ``std``), built on
+    ``device``: what benchmarks and tests use where no checkpoint is needed (bench/gpu.py's Llama-3-8B shape)."""
+    model = LlamaForCausalLM(config, dtype, device, attention)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
+    return model.eval()
