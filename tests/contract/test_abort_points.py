@@ -404,6 +404,15 @@ def _stub(port: int) -> tuple[grpc.Channel, spb_grpc.SglangSchedulerStub]:
     return channel, spb_grpc.SglangSchedulerStub(channel)
 
 
+def read_tokens(call: Iterator[spb.GenerateResponse], count: int) -> list[int]:
+    """Read chunks until ``count`` tokens have arrived: a stream that fell behind gets several tokens per chunk."""
+    tokens: list[int] = []
+    while len(tokens) < count:
+        tokens += next(call).chunk.token_ids
+    assert len(tokens) == count, tokens  # the step after them is held
+    return tokens
+
+
 def test_client_cancelling_the_stream_aborts_the_request(
     config: EngineConfig, executor: str, solo: dict[str, list[int]]
 ) -> None:
@@ -424,8 +433,7 @@ def test_client_cancelling_the_stream_aborts_the_request(
             base = baseline(engine, gate)
             gate.hold_results(decode("c", 3))
             call = stub.Generate(greedy_request(list(SHORT["r"]), MAX_NEW, request_id="c", stream=True), timeout=WAIT_S)
-            chunks = [next(call).chunk for _ in range(3)]
-            assert [t for c in chunks for t in c.token_ids] == solo["r"][:3]
+            assert read_tokens(call, 3) == solo["r"][:3]
             gate.wait_for_result_held(decode("c", 3))
             call.cancel()
             assert engine.wait_abort_call("c")
@@ -456,7 +464,7 @@ def test_abort_rpc_ends_the_open_stream_with_an_abort(
             assert not stub.Abort(spb.AbortRequest(request_id="nobody"), timeout=WAIT_S).success
             gate.hold_results(decode("a", 4))
             call = stub.Generate(greedy_request(list(SHORT["a"]), MAX_NEW, request_id="a", stream=True), timeout=WAIT_S)
-            before = [next(call).chunk for _ in range(4)]
+            streamed = read_tokens(call, 4)
             gate.wait_for_result_held(decode("a", 4))
             assert stub.Abort(spb.AbortRequest(request_id="a", reason="test abort"), timeout=WAIT_S).success
             last_planned = engine.stats().steps
@@ -464,7 +472,6 @@ def test_abort_rpc_ends_the_open_stream_with_an_abort(
             rest = list(call)
             assert [r.WhichOneof("response") for r in rest] == ["complete"], rest
             complete = rest[0].complete
-            streamed = [t for c in before for t in c.token_ids]
             assert streamed == solo["a"][:4]
             assert complete.finish_reason == "abort" and list(complete.output_ids) == streamed, complete
             assert_not_planned_after(engine, gate, "a", last_planned)

