@@ -22,4 +22,4 @@ def embedded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default model, built once per test session into a private cache."""
     from engine.model.embedded import ensure_embedded_model
 
-    return Path("/tmp/trained-target")  # TEMP
+    return ensure_embedded_model(tmp_path_factory.mktemp("ordinal-cache"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from engine.kv.pool import KVPool
 from engine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.loader import load_model
+from tests.support.models import single_thread  # noqa: F401  (an autouse fixture)
 
 TINY: dict[str, Any] = {
     "hidden_size": 32,
@@ -28,15 +29,6 @@ TINY: dict[str, Any] = {
     "vocab_size": 100,
 }
 WEIGHTS = "model.safetensors"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Tiny tensors: intra-op threads only add spin-wait on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from engine.kv.pool import KVPool
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
+from tests.support.models import single_thread  # noqa: F401  (an autouse fixture)
 
 PAGE_SIZE = 4
 NUM_PAGES = 40
@@ -62,15 +62,6 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
     "qwen3": (Qwen3Config, {"tie_word_embeddings": True, "head_dim": 32}),
     "mistral": (MistralConfig, {"sliding_window": 8, "num_key_value_heads": 1}),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """These matrices are tiny: on a shared, busy machine intra-op threads only add spin-wait (5x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ exactly.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from engine.executor.sampler import Sampler, SamplingState
 from engine.executor.verify import Verdict, Verifier, VerifyItem
 from engine.grammar_calls import DraftTree
 from engine.sampling_params import SamplingParams
+from tests.support.models import single_thread  # noqa: F401  (an autouse fixture)
 
 V = 6
 TRIALS = 6000
@@ -37,15 +38,6 @@ PARAMS = {
     "temperature 1": SamplingParams(temperature=1.0, max_new_tokens=16),
     "temperature 0.7, top-p 0.8": SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=16),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Six-token rows: intra-op threads only add spin-wait on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _state(params: SamplingParams, seed: int) -> SamplingState:
