@@ -44,7 +44,7 @@ from services.flags import (
     add_model_args,
     engine_argv,
     engine_config,
-    json_schema_mode,
+    json_schema_argv,
     model_folder,
 )
 from services.gateway import find_smg, gateway, smg_argv
@@ -335,7 +335,7 @@ def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg
     model = ["--host", args.host, "--model", str(model_dir), "--log-level", args.log_level]
     common = [*model, *engine_argv(args)]
 
-    grammar_argv = [*model, "--port", str(args.grammar_port), "--json-schema", json_schema_mode(args)]
+    grammar_argv = [*model, "--port", str(args.grammar_port), *json_schema_argv(args)]
     grammar_argv += ["--metrics-port", str(metrics["grammar"])]
     grammar_port = _start_grpc_service(sup, "grammar", grammar_argv, local, args.startup_timeout)
     grammar = ["--grammar", _hostport(local, grammar_port)]

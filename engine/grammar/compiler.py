@@ -11,8 +11,9 @@ A JSON schema is compiled in its mode (the request's, else the config's; :mod:`e
 xgrammar 0.2.9 compiles some keywords into a grammar looser than the schema, so strict mode rewrites the schema into
 a form xgrammar enforces exactly or refuses it, checked mode compiles the closest such form and checks the rest on
 the output, loose mode compiles it as given. The constraint's text stays as the request gave it; only what xgrammar
-compiles is rewritten. One compiler has one config, so the cache key (the constraint's, mode included) needs nothing
-more.
+compiles is rewritten. Every JSON grammar bounds the whitespace between tokens (``CompilerConfig.json_max_whitespace``,
+8 characters in a row by default), so that a model unsure of the next token cannot fill ``max_tokens`` with newlines.
+One compiler has one config, so the cache key (the constraint's, mode included) needs nothing more.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import xgrammar as xgr
 
 from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.enforcement import Enforcement
-from engine.grammar.json_schema_compiler import JsonSchemaCompiler
+from engine.grammar.json_schema_compiler import DEFAULT_JSON_MAX_WHITESPACE, JsonSchemaCompiler
 from engine.grammar.schema import JsonSchemaPolicy, UnenforcedSchemaError
 from engine.grammar.schema_check import SchemaCheck, SchemaCheckError
 from engine.grammar_calls import GrammarTimeoutError, InvalidGrammarError, words_per_row
@@ -86,10 +87,17 @@ class CompilerConfig:
     # finish with "stop"; STRICT refuses what xgrammar cannot enforce exactly; LOOSE is SGLang's behaviour.
     json_schema_mode: JsonSchemaMode = JsonSchemaMode.CHECKED
     json_schema_policy: JsonSchemaPolicy = field(default_factory=JsonSchemaPolicy)
+    # Whitespace characters a JSON grammar allows in a row between tokens (json_schema, json_object, tool calls);
+    # None: any number, xgrammar's own default (see engine.grammar.json_schema_compiler).
+    json_max_whitespace: int | None = DEFAULT_JSON_MAX_WHITESPACE
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.threads_per_compile < 1 or self.cache_entries < 1:
             raise ValueError("CompilerConfig values must be >= 1")
+        if self.json_max_whitespace is not None and self.json_max_whitespace < 1:
+            raise ValueError(
+                f"json_max_whitespace must be >= 1, or None for unbounded whitespace; got {self.json_max_whitespace}"
+            )
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,11 @@ class ConstraintCompiler:
         # xgrammar's own cache is off: ours is keyed by constraint, bounded, and shares in-flight compiles.
         self._xgr = xgr.GrammarCompiler(tokenizer_info, max_threads=config.threads_per_compile, cache_enabled=False)
         self._json_schemas = JsonSchemaCompiler(
-            self._xgr, tokenizer_info.decoded_vocab, config.json_schema_policy, config.json_schema_mode
+            self._xgr,
+            tokenizer_info.decoded_vocab,
+            config.json_schema_policy,
+            config.json_schema_mode,
+            config.json_max_whitespace,
         )
         self._vocab_size = int(tokenizer_info.vocab_size)
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grammar-compile")

@@ -10,6 +10,13 @@
 - LOOSE: the schema as given (SGLang's way); the policy only tells, for the report, what xgrammar reads loosely.
 
 The schema text that is not JSON goes to xgrammar as given, for xgrammar to report the error in its own words.
+
+Every mode's grammar bounds the whitespace between JSON tokens (outside strings) to ``max_whitespace`` characters in a
+row, :data:`DEFAULT_JSON_MAX_WHITESPACE` by default (xgrammar's ``max_whitespace_cnt``). xgrammar's own default lets
+any amount through, and a model unsure what comes next often takes it: ``{`` followed by newlines until
+``max_tokens``, finish reason "length", output that does not parse; a failure known from other engines that serve
+unbounded JSON whitespace (vLLM, SGLang and ollama issues report it). Eight characters still allow pretty-printing (a
+newline and an indent three levels deep); ``None`` (``--json-whitespace unbounded``) restores xgrammar's default.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from engine.grammar.schema import JsonSchemaPolicy, Unenforced, UnenforcedSchema
 from engine.grammar.schema_check import SchemaCheck, SchemaCheckError
 
 _XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)  # how xgrammar refuses a grammar, whatever the language
+DEFAULT_JSON_MAX_WHITESPACE = 8  # whitespace characters in a row between JSON tokens (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -48,20 +56,23 @@ class JsonSchemaCompiler:
         token_bytes: Sequence[bytes],
         policy: JsonSchemaPolicy,
         default_mode: JsonSchemaMode,
+        max_whitespace: int | None = DEFAULT_JSON_MAX_WHITESPACE,
     ) -> None:
-        """``token_bytes[t]``: the bytes token t adds to an output (xgrammar's decoded vocabulary)."""
+        """``token_bytes[t]``: the bytes token t adds to an output (xgrammar's decoded vocabulary);
+        ``max_whitespace``: whitespace characters allowed in a row between JSON tokens, None for any number."""
         self._xgr = xgr_compiler
         self._token_bytes = token_bytes
         self._policy = policy
         self._default_mode = default_mode
+        self._max_whitespace = max_whitespace
 
     @property
     def default_mode(self) -> JsonSchemaMode:
         return self._default_mode
 
     def _xgrammar(self, text: str) -> xgr.CompiledGrammar:
-        """xgrammar's compile of a schema text: every mode's grammar comes from here."""
-        return self._xgr.compile_json_schema(text)
+        """xgrammar's compile of a schema text: every mode's grammar comes from here, whitespace bounded."""
+        return self._xgr.compile_json_schema(text, max_whitespace_cnt=self._max_whitespace)
 
     def compile(self, text: str, mode: JsonSchemaMode | None) -> CompiledSchema:
         mode = mode if mode is not None else self._default_mode

@@ -85,7 +85,8 @@ def _grammar(
         from engine.grammar.backend import LocalGrammar
         from services.grammar.metrics import GrammarMetrics
 
-        compiler = CompilerConfig(json_schema_mode=JsonSchemaMode(json_schema_mode(args)))
+        mode = JsonSchemaMode(json_schema_mode(args))
+        compiler = CompilerConfig(json_schema_mode=mode, json_max_whitespace=args.json_whitespace)
         return LocalGrammar(str(model_dir(config)), config=compiler, observer=GrammarMetrics(metrics.registry))
     vocab = runner.info.vocab_size if runner is not None else model_vocab_size(model_dir(config))
     try:

@@ -27,6 +27,7 @@ from engine.executor.runner import ModelRunner
 from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info
+from engine.grammar.json_schema_compiler import DEFAULT_JSON_MAX_WHITESPACE
 from engine.grammar.registry import FencedMasks
 from engine.grammar_calls import CommitEntry, CommitOutcome, GrammarLoss, MaskEntry, MaskRefusals, words_per_row
 from engine.sampling_params import SamplingParams
@@ -268,7 +269,7 @@ class FreshMatcher:
 
     def __init__(self, compiler: xgr.GrammarCompiler, constraint: Constraint) -> None:
         if constraint.kind is ConstraintKind.JSON_SCHEMA:
-            grammar = compiler.compile_json_schema(constraint.text)
+            grammar = compiler.compile_json_schema(constraint.text, max_whitespace_cnt=DEFAULT_JSON_MAX_WHITESPACE)
         else:
             grammar = compiler.compile_regex(constraint.text)
         self.matcher = xgr.GrammarMatcher(grammar)

@@ -38,6 +38,7 @@ from engine.constraint import Constraint, ConstraintKind
 from engine.executor.runner import ModelRunner
 from engine.finish import AbortCause
 from engine.grammar import CompilerConfig, ConstraintCompiler, load_tokenizer_info
+from engine.grammar.json_schema_compiler import DEFAULT_JSON_MAX_WHITESPACE
 from engine.grammar_calls import InvalidGrammarError
 from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
@@ -405,7 +406,7 @@ def grammar_accepts(config: EngineConfig, field: str, text: str, ids: list[int],
     compiler = xgr.GrammarCompiler(info)
     kind = Constraint.from_public_field(field, text).kind
     if kind is ConstraintKind.JSON_SCHEMA:
-        compiled = compiler.compile_json_schema(text)
+        compiled = compiler.compile_json_schema(text, max_whitespace_cnt=DEFAULT_JSON_MAX_WHITESPACE)
     elif kind is ConstraintKind.REGEX:
         compiled = compiler.compile_regex(text)
     else:
