@@ -39,8 +39,8 @@ from engine.model.embedded_corpus import training_texts
 EMBEDDED_MODEL_NAME = "ordinal-embedded-tiny"
 
 # Bump whenever build_embedded_model writes different bytes for the same spec (file layout, config keys,
-# init order), so that caches built by older code are never reused.
-FORMAT_VERSION = 1
+# init order, the chat template), so that caches built by older code are never reused.
+FORMAT_VERSION = 2
 
 BOS_TOKEN = "<|begin_of_text|>"
 END_OF_TEXT_TOKEN = "<|end_of_text|>"
@@ -49,11 +49,44 @@ IM_END_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
 
-# ChatML. Kept to plain Jinja (no Python-only methods) so that minijinja in the Rust gateway renders it
-# exactly as jinja2 does.
+# ChatML, with tools in the Hermes / Qwen2.5 manner: tool signatures listed in the system turn inside
+# <tools></tools>, an assistant's calls as <tool_call> blocks (content may be null), tool results as a user turn of
+# <tool_response> blocks. Kept to plain Jinja (no Python-only methods; output only through {{ }}, so trim_blocks and
+# lstrip_blocks change nothing) so that minijinja in the smg gateway renders it exactly as jinja2 does; smg passes
+# `tools` as the request's tool definitions and an assistant's `arguments` as an object, transformers as given (a
+# JSON string from OpenAI clients is written out as it is, an object through tojson: both give the same text).
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' and messages[0]['content'] %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}"
+    "{% endif %}"
+    "{{ 'You can call these tools:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    '{{ \'\\n</tools>\\nTo call a tool, answer with <tool_call>\\n{"name": <name>, "arguments": <arguments>}\\n'
+    "</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

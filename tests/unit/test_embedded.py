@@ -46,6 +46,36 @@ _CHAT = [
 ]
 
 
+_WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "description": "A <city> & 'more'"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+}
+_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": _WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+_CALL_ARGS = {"city": "Zürich", "unit": "c"}
+# user -> assistant tool call (content null) -> tool result -> assistant answer, as an OpenAI client sends it back.
+_TOOL_CHAT: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Zürich?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "ARGS"}}],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": '{"temperature": 21}'},
+    {"role": "assistant", "content": "It is 21 degrees."},
+]
+
+
+def _tool_chat(arguments: object) -> list[dict[str, Any]]:
+    chat = json.loads(json.dumps(_TOOL_CHAT))
+    chat[2]["tool_calls"][0]["function"]["arguments"] = arguments
+    return chat
+
+
 def _digests(folder: Path) -> dict[str, str]:
     return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())}
 
@@ -252,3 +282,34 @@ def test_hf_tokenizer_agrees_with_ours(model_dir: Path) -> None:
     for prompt in (True, False):
         hf_text = hf.apply_chat_template(_CHAT, tokenize=False, add_generation_prompt=prompt)
         assert ours.apply_chat_template(_CHAT, add_generation_prompt=prompt) == hf_text
+
+
+def test_tool_conversations_render_in_the_hermes_format(model_dir: Path) -> None:
+    """Tools in the system turn, a call as a <tool_call> block, the result as a user turn of <tool_response>: the
+    same text from transformers and from our renderer, whether the call's arguments come as the JSON string an
+    OpenAI client sends or as the object smg passes (tests/e2e/test_embedded_quality.py checks smg's rendering)."""
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_dir(model_dir)
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    as_object = _tool_chat(_CALL_ARGS)
+    as_string = _tool_chat(json.dumps(_CALL_ARGS, ensure_ascii=False))
+    text = ours.apply_chat_template(as_object, tools=_TOOLS)
+    assert text == ours.apply_chat_template(as_string, tools=_TOOLS)
+    assert text == hf.apply_chat_template(as_object, tools=_TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text == hf.apply_chat_template(as_string, tools=_TOOLS, tokenize=False, add_generation_prompt=True)
+    system, user, call, result, answer, prompt = text.split("<|im_end|>\n")
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n") and "\n<tools>\n" in system
+    assert f"\n{json.dumps(_TOOLS[0], ensure_ascii=False)}\n" in system  # json.dumps spacing, "<" and "'" kept
+    assert user == "<|im_start|>user\nWeather in Zürich?"
+    assert call == '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ' + (
+        json.dumps(_CALL_ARGS, ensure_ascii=False) + "}\n</tool_call>"
+    )
+    assert result == '<|im_start|>user\n<tool_response>\n{"temperature": 21}\n</tool_response>'
+    assert answer == "<|im_start|>assistant\nIt is 21 degrees."
+    assert prompt == "<|im_start|>assistant\n"
+    # Without tools the template is plain ChatML, as before.
+    assert ours.apply_chat_template(_CHAT[:2]) == (
+        '<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay {"ok": true} 😀<|im_end|>\n'
+        "<|im_start|>assistant\n"
+    )
