@@ -411,7 +411,8 @@ def test_checked_mode_aborts_a_violating_output_naming_the_keyword_and_stops_a_v
     jobs = [
         Job("duplicate", prompt, params, Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(FORCED_DUPLICATE))),
         Job("unique", prompt, params, Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(FORCED_UNIQUE))),
-        Job("plain", prompt, SamplingParams(temperature=0.0, max_new_tokens=8), None),
+        # ignore_eos: the trained model may end its answer within 8 tokens; this one runs to its length limit
+        Job("plain", prompt, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True), None),
     ]
     streams = _run(engine, jobs)
     duplicate = streams["duplicate"].final

@@ -178,7 +178,7 @@ def assert_drained(stack: Stack) -> None:
 
 
 def test_json_schema_outputs_validate(stack: Stack, tokenizer: Tokenizer) -> None:
-    """Sampled at temperature 1: a schema with bounded sizes lets the random model reach the end of the grammar,
+    """Sampled at temperature 1: a schema with bounded sizes lets any model (even a random one) reach the grammar's end,
     so every sample finishes with "stop" and must then be valid JSON for the schema."""
     ids = chat_ids(tokenizer, "The weather, as JSON.")
     for stream in (False, True):
@@ -434,7 +434,9 @@ async def test_missing_mask_ends_only_that_request(config: EngineConfig, grammar
             )
         (done,) = constrained
         assert done.finish_reason == "abort" and not done.output_ids, done
-        assert [c.finish_reason for c in free] == ["length"] and len(free[0].output_ids) == 40
+        # It ends normally: at the model's end of turn (the embedded model is trained) or at its 40 tokens.
+        assert [c.finish_reason for c in free] in (["stop"], ["length"]), free
+        assert 0 < len(free[0].output_ids) <= 40
         # The public proto has no place for the reason; the engine's finish shows it is the executor's refusal.
         (out,) = s.engine.generate_batch(
             [ids], [SamplingParams(max_new_tokens=8)], TIMEOUT, [Constraint(ConstraintKind.REGEX, EMAIL)]
