@@ -25,6 +25,9 @@ JSON_SCHEMA_MODES = ("strict", "checked", "loose")  # engine.constraint.JsonSche
 DEFAULT_JSON_SCHEMA_MODE = "checked"
 # engine.grammar.IntegerRange's values, the default first (no engine import; a test holds them equal)
 JSON_INTEGER_RANGES = ("safe", "unbounded")
+# engine.grammar.json_schema_compiler.DEFAULT_JSON_MAX_WHITESPACE (no engine import; a test holds them equal)
+DEFAULT_JSON_WHITESPACE = 8
+UNBOUNDED_WHITESPACE = "unbounded"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +63,40 @@ def add_json_schema_args(parser: argparse.ArgumentParser) -> None:
         "tool-call arguments); unbounded: any number of digits, as the schema is written. Explicit bounds and listed "
         "values are kept as written either way",
     )
+    group.add_argument(
+        "--json-whitespace",
+        type=parse_json_whitespace,
+        default=DEFAULT_JSON_WHITESPACE,
+        metavar="N|unbounded",
+        help=f"whitespace characters a JSON grammar (json_schema, json_object, tool calls) allows in a row between "
+        f"tokens (default: {DEFAULT_JSON_WHITESPACE}); {UNBOUNDED_WHITESPACE!r} lets any amount through, xgrammar's "
+        "own default, which a model unsure of the next token can fill with newlines until max_tokens",
+    )
+
+
+def parse_json_whitespace(text: str) -> int | None:
+    """The value of ``--json-whitespace``: a number of characters >= 1, or None for ``unbounded``."""
+    if text == UNBOUNDED_WHITESPACE:
+        return None
+    value = int(text) if text.isdecimal() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a number of whitespace characters >= 1, or {UNBOUNDED_WHITESPACE!r}"
+        )
+    return value
+
+
+def json_schema_argv(args: argparse.Namespace) -> list[str]:
+    """The JSON-schema flags of ``args`` spelled back for a grammar service (the mode resolved)."""
+    whitespace = UNBOUNDED_WHITESPACE if args.json_whitespace is None else str(args.json_whitespace)
+    return [
+        "--json-schema",
+        json_schema_mode(args),
+        "--json-integer-range",
+        args.json_integer_range,
+        "--json-whitespace",
+        whitespace,
+    ]
 
 
 def json_schema_mode(args: argparse.Namespace) -> str:

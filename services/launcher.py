@@ -44,7 +44,7 @@ from services.flags import (
     add_model_args,
     engine_argv,
     engine_config,
-    json_schema_mode,
+    json_schema_argv,
     model_folder,
 )
 from services.gateway import find_smg, gateway, smg_argv
@@ -326,11 +326,6 @@ def _metrics_ports(args: argparse.Namespace) -> dict[str, int]:
     if base == 0:
         return {"scheduler": 0, "executor": 0, "gateway": 0, "grammar": 0}
     return {"scheduler": base, "executor": base + 1, "gateway": base + 2, "grammar": base + 3}
-
-
-def json_schema_argv(args: argparse.Namespace) -> list[str]:
-    """The JSON-schema flags ``ordinal serve`` passes on to the grammar service it starts."""
-    return ["--json-schema", json_schema_mode(args), "--json-integer-range", args.json_integer_range]
 
 
 def _start_stack(sup: Supervisor, args: argparse.Namespace, model_dir: Path, smg: str | None) -> Endpoints:

@@ -10,6 +10,7 @@ from engine.config import EngineConfig, SpecAlgorithm
 from engine.executor.draft_model import DraftModelProposer
 from engine.executor.ngram import NgramConfig, NgramProposer
 from engine.executor.proposer import Proposer
+from engine.model.embedded import EmbeddedSpec, ensure_embedded_draft_model
 from engine.model_info import ModelInfo
 
 
@@ -24,11 +25,21 @@ def load_proposer(config: EngineConfig, info: ModelInfo, device: torch.device) -
 
 
 def draft_dir(config: EngineConfig) -> Path:
-    """The draft checkpoint: the configured one, else the embedded draft when the target is the embedded model."""
+    """The draft checkpoint: the configured one, else the embedded draft when the target is the embedded model.
+
+    The embedded target is ``model_path`` None or the embedded folder itself (``ordinal serve`` resolves the default
+    and passes its folder on); its draft, trained to agree with it (docs/embedded-model.md), is built beside it on
+    first use. Any other target needs its draft named: a draft must share the target's tokenizer, which nothing here
+    can guess."""
     path = config.speculative.draft_model_path
     if path:
         return Path(path)
+    if config.model_path is None:
+        return ensure_embedded_draft_model(Path(config.cache_dir) if config.cache_dir else None)
+    target = Path(config.model_path)
+    if target.name == EmbeddedSpec().folder_name():
+        return ensure_embedded_draft_model(target.parent)
     raise ValueError(
-        "speculative algorithm 'draft' needs a draft model: pass --speculative-draft-model-path (a checkpoint "
-        "sharing the target's tokenizer)"
+        f"speculative algorithm 'draft' needs a draft model for {target}: pass --speculative-draft-model-path (a "
+        "checkpoint sharing the target's tokenizer); only the embedded default model has a default draft"
     )

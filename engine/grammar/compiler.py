@@ -12,8 +12,10 @@ xgrammar 0.2.9 compiles some keywords into a grammar looser than the schema, so 
 a form xgrammar enforces exactly or refuses it, checked mode compiles the closest such form and checks the rest on
 the output, loose mode compiles it as given. The constraint's text stays as the request gave it; only what xgrammar
 compiles is rewritten; integers a schema leaves unbounded are bounded to +-(2^53 - 1) unless the config's
-``json_integer_range`` is UNBOUNDED. One compiler has one config, so the cache key (the constraint's, mode included)
-needs nothing more.
+``json_integer_range`` is UNBOUNDED. Every JSON grammar bounds the whitespace between tokens
+(``CompilerConfig.json_max_whitespace``, 8 characters in a row by default), so that a model unsure of the next
+token cannot fill ``max_tokens`` with newlines. One compiler has one config, so the cache key (the constraint's,
+mode included) needs nothing more.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import xgrammar as xgr
 
 from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar.enforcement import Enforcement
-from engine.grammar.json_schema_compiler import JsonSchemaCompiler
+from engine.grammar.json_schema_compiler import DEFAULT_JSON_MAX_WHITESPACE, JsonSchemaCompiler
 from engine.grammar.schema import JsonSchemaPolicy, UnenforcedSchemaError
 from engine.grammar.schema.integer_range import IntegerRange
 from engine.grammar.schema_check import SchemaCheck, SchemaCheckError
@@ -91,10 +93,17 @@ class CompilerConfig:
     # What an integer a JSON schema leaves unbounded may be: SAFE keeps it within +-(2^53 - 1), exact for every client
     # that reads numbers as doubles (see engine.grammar.schema.integer_range); UNBOUNDED compiles schemas as given.
     json_integer_range: IntegerRange = IntegerRange.SAFE
+    # Whitespace characters a JSON grammar allows in a row between tokens (json_schema, json_object, tool calls);
+    # None: any number, xgrammar's own default (see engine.grammar.json_schema_compiler).
+    json_max_whitespace: int | None = DEFAULT_JSON_MAX_WHITESPACE
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.threads_per_compile < 1 or self.cache_entries < 1:
             raise ValueError("CompilerConfig values must be >= 1")
+        if self.json_max_whitespace is not None and self.json_max_whitespace < 1:
+            raise ValueError(
+                f"json_max_whitespace must be >= 1, or None for unbounded whitespace; got {self.json_max_whitespace}"
+            )
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,7 @@ class ConstraintCompiler:
             config.json_schema_policy,
             config.json_schema_mode,
             config.json_integer_range,
+            config.json_max_whitespace,
         )
         self._vocab_size = int(tokenizer_info.vocab_size)
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grammar-compile")

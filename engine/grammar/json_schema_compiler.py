@@ -14,6 +14,13 @@ The schema text that is not JSON goes to xgrammar as given, for xgrammar to repo
 Before any of this, in every mode, integers the schema leaves unbounded are bounded to +-(2^53 - 1)
 (:mod:`engine.grammar.schema.integer_range`; ``IntegerRange.UNBOUNDED`` leaves them as written), so that the grammar,
 the rewrite and the output check all read the same bounded schema.
+
+Every mode's grammar bounds the whitespace between JSON tokens (outside strings) to ``max_whitespace`` characters in a
+row, :data:`DEFAULT_JSON_MAX_WHITESPACE` by default (xgrammar's ``max_whitespace_cnt``). xgrammar's own default lets
+any amount through, and a model unsure what comes next often takes it: ``{`` followed by newlines until
+``max_tokens``, finish reason "length", output that does not parse; a failure known from other engines that serve
+unbounded JSON whitespace (vLLM, SGLang and ollama issues report it). Eight characters still allow pretty-printing (a
+newline and an indent three levels deep); ``None`` (``--json-whitespace unbounded``) restores xgrammar's default.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from engine.grammar.schema.integer_range import IntegerRange, bound_integers
 from engine.grammar.schema_check import SchemaCheck, SchemaCheckError
 
 _XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)  # how xgrammar refuses a grammar, whatever the language
+DEFAULT_JSON_MAX_WHITESPACE = 8  # whitespace characters in a row between JSON tokens (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -54,22 +62,25 @@ class JsonSchemaCompiler:
         policy: JsonSchemaPolicy,
         default_mode: JsonSchemaMode,
         integer_range: IntegerRange = IntegerRange.SAFE,
+        max_whitespace: int | None = DEFAULT_JSON_MAX_WHITESPACE,
     ) -> None:
         """``token_bytes[t]``: the bytes token t adds to an output (xgrammar's decoded vocabulary); ``integer_range``:
-        what an integer the schema leaves unbounded may be."""
+        what an integer the schema leaves unbounded may be; ``max_whitespace``: whitespace characters allowed in a row
+        between JSON tokens, None for any number."""
         self._xgr = xgr_compiler
         self._token_bytes = token_bytes
         self._policy = policy
         self._default_mode = default_mode
         self._integer_range = integer_range
+        self._max_whitespace = max_whitespace
 
     @property
     def default_mode(self) -> JsonSchemaMode:
         return self._default_mode
 
     def _xgrammar(self, text: str) -> xgr.CompiledGrammar:
-        """xgrammar's compile of a schema text: every mode's grammar comes from here."""
-        return self._xgr.compile_json_schema(text)
+        """xgrammar's compile of a schema text: every mode's grammar comes from here, whitespace bounded."""
+        return self._xgr.compile_json_schema(text, max_whitespace_cnt=self._max_whitespace)
 
     def compile(self, text: str, mode: JsonSchemaMode | None) -> CompiledSchema:
         mode = mode if mode is not None else self._default_mode

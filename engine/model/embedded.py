@@ -1,9 +1,15 @@
-"""The embedded default model: a tiny Llama checkpoint generated locally, byte-identical on every run.
+"""The embedded default model and its draft: tiny Llama checkpoints shipped with the package, byte-identical everywhere.
 
-With no model argument the engine serves this model. It needs no download: the tokenizer is a
-byte-level BPE trained on a built-in text (:mod:`engine.model.embedded_corpus`) and the weights are
-normal draws from a seeded ``torch.Generator``. The result is an ordinary Hugging Face checkpoint folder,
-so `transformers` and the `smg` gateway can load it like any other.
+With no model argument the engine serves the embedded model. It needs no download: the tokenizer is a
+byte-level BPE trained on a built-in text (:mod:`engine.model.embedded_corpus`) when the folder is built, and the
+weights are files shipped in ``engine/model/weights/`` (trained once, on CPU, by ``scripts/train-embedded`` on a
+corpus the project generates; docs/embedded-model.md is the model card). The folder built here is an ordinary
+Hugging Face checkpoint, so `transformers` and the `smg` gateway load it like any other. The draft model (same
+tokenizer, one small layer stack) is the default draft for speculative decoding: :func:`ensure_embedded_draft_model`.
+
+The weights were trained against exactly this tokenizer and chat template: changing either (the corpus text, the
+BPE settings, the special tokens, the template) invalidates them, and the spec's hash check refuses a shipped file
+whose bytes differ from the ones the spec names.
 
 Token choices (documented here because several files must agree):
 
@@ -29,18 +35,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from engine.errors import CheckpointError
 from engine.model.embedded_corpus import training_texts
 
 EMBEDDED_MODEL_NAME = "ordinal-embedded-tiny"
+EMBEDDED_DRAFT_NAME = "ordinal-embedded-draft"
 
-# Bump whenever build_embedded_model writes different bytes for the same spec (file layout, config keys,
-# init order), so that caches built by older code are never reused.
-FORMAT_VERSION = 1
+# Bump whenever build_embedded_model writes different bytes for the same spec (file layout, config keys), so that
+# caches built by older code are never reused. The spec, the tokenizer's text and the chat template are hashed
+# into the folder name as well.
+FORMAT_VERSION = 2
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 
 BOS_TOKEN = "<|begin_of_text|>"
 END_OF_TEXT_TOKEN = "<|end_of_text|>"
@@ -49,34 +57,67 @@ IM_END_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
 
-# ChatML. Kept to plain Jinja (no Python-only methods) so that minijinja in the Rust gateway renders it
-# exactly as jinja2 does.
+# ChatML, with tools in the Hermes / Qwen2.5 manner: tool signatures listed in the system turn inside
+# <tools></tools>, an assistant's calls as <tool_call> blocks (content may be null), tool results as a user turn of
+# <tool_response> blocks. Kept to plain Jinja (no Python-only methods; output only through {{ }}, so trim_blocks and
+# lstrip_blocks change nothing) so that minijinja in the smg gateway renders it exactly as jinja2 does; smg passes
+# `tools` as the request's tool definitions and an assistant's `arguments` as an object, transformers as given (a
+# JSON string from OpenAI clients is written out as it is, an object through tojson: both give the same text).
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' and messages[0]['content'] %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}"
+    "{% endif %}"
+    "{{ 'You can call these tools:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    '{{ \'\\n</tools>\\nTo call a tool, answer with <tool_call>\\n{"name": <name>, "arguments": <arguments>}\\n'
+    "</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+WEIGHTS_FILE = "model.safetensors"
+MODEL_FILES = ("config.json", "generation_config.json", WEIGHTS_FILE, *TOKENIZER_FILES)
 
 _BYTE_ALPHABET_SIZE = 256
+_HASH_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
 class EmbeddedSpec:
-    """Everything that determines the embedded model's bytes (together with the corpus and FORMAT_VERSION).
+    """Everything that determines an embedded model folder's bytes (with the tokenizer text, the chat template
+    and FORMAT_VERSION): its name, its shape, and the shipped weights file with the sha256 its bytes must have.
 
     ``vocab_size_target`` counts the 256 byte tokens, the learned merges and the special tokens; the real
     size can come out smaller if the corpus runs out of merges, and config.json always records the real one.
+    The default is the served model; :data:`DRAFT_SPEC` is its draft.
     """
 
+    name: str = EMBEDDED_MODEL_NAME
     hidden_size: int = 256
     intermediate_size: int = 768
     num_hidden_layers: int = 4
@@ -86,8 +127,10 @@ class EmbeddedSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     vocab_size_target: int = 2048
-    weight_seed: int = 0
-    init_std: float = 0.02
+    init_std: float = 0.02  # the initializer_range training started from (config.json records it)
+    weights_file: str = "ordinal-embedded-tiny.safetensors"
+    weights_sha256: str = "e5f389e2d08d6a7f8f34a9f3102eb1122bcd6dce9b03898fa2dd98dc14d67f62"
+    torch_dtype: str = "bfloat16"  # the dtype of the shipped tensors
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
@@ -101,14 +144,38 @@ class EmbeddedSpec:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def weights_path(self) -> Path:
+        return WEIGHTS_DIR / self.weights_file
+
     def cache_key(self) -> str:
-        """A short hash of the spec, the corpus and the format version: equal keys mean equal bytes."""
+        """A short hash of the spec (the weights' sha256 included), the tokenizer's text, the chat template and
+        the format version: equal keys mean equal bytes."""
         corpus_hash = hashlib.sha256("\x00".join(training_texts()).encode("utf-8")).hexdigest()
-        payload = {"corpus": corpus_hash, "format": FORMAT_VERSION, "spec": dataclasses.asdict(self)}
+        template_hash = hashlib.sha256(CHAT_TEMPLATE.encode("utf-8")).hexdigest()
+        payload = {
+            "corpus": corpus_hash,
+            "format": FORMAT_VERSION,
+            "spec": dataclasses.asdict(self),
+            "template": template_hash,
+        }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()[:12]
 
     def folder_name(self) -> str:
-        return f"{EMBEDDED_MODEL_NAME}-v{FORMAT_VERSION}-{self.cache_key()}"
+        return f"{self.name}-v{FORMAT_VERSION}-{self.cache_key()}"
+
+
+# The draft for speculative decoding: the target's tokenizer and family, two layers at a quarter of the width.
+DRAFT_SPEC = EmbeddedSpec(
+    name=EMBEDDED_DRAFT_NAME,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    weights_file="ordinal-embedded-draft.safetensors",
+    weights_sha256="2939585c8e60d0e7a97597d396aafc7bcbf32b41d792d8dde0cecf1e8b1e9d50",
+)
 
 
 def default_cache_dir() -> Path:
@@ -141,8 +208,25 @@ def ensure_embedded_model(cache_dir: Path | None = None, spec: EmbeddedSpec = Em
     return final
 
 
+def ensure_embedded_draft_model(cache_dir: Path | None = None) -> Path:
+    """The embedded draft model's folder (see :data:`DRAFT_SPEC`), built on first use like the target's."""
+    return ensure_embedded_model(cache_dir, DRAFT_SPEC)
+
+
 def build_embedded_model(dest: Path, spec: EmbeddedSpec = EmbeddedSpec()) -> None:
-    """Write the embedded checkpoint (see MODEL_FILES) into ``dest``, creating it if needed."""
+    """Write the embedded checkpoint (see MODEL_FILES) into ``dest``, creating it if needed.
+
+    The shipped weights are checked against ``spec.weights_sha256`` before anything is written, so a damaged or
+    swapped file never becomes a cached model."""
+    source = spec.weights_path
+    _check_shipped_weights(source, spec.weights_sha256)
+    write_embedded_configs(dest, spec)
+    shutil.copyfile(source, dest / WEIGHTS_FILE)
+
+
+def write_embedded_configs(dest: Path, spec: EmbeddedSpec = EmbeddedSpec()) -> None:
+    """Write everything of the checkpoint but its weights: the tokenizer files, config.json and
+    generation_config.json. The training script builds its model from exactly these files."""
     dest.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(spec)
     (dest / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
@@ -151,7 +235,29 @@ def build_embedded_model(dest: Path, spec: EmbeddedSpec = EmbeddedSpec()) -> Non
     _write_json(dest / "tokenizer_config.json", _tokenizer_config(spec, token_ids))
     _write_json(dest / "generation_config.json", _generation_config(token_ids))
     _write_json(dest / "config.json", _model_config(spec, vocab_size, token_ids))
-    save_file(_init_weights(spec, vocab_size), str(dest / "model.safetensors"), metadata={"format": "pt"})
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_shipped_weights(path: Path, expected_sha256: str) -> None:
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: the embedded model's weights are missing from the installed package; reinstall ordinal "
+            "(they ship as package data) or pass --model PATH"
+        )
+    actual = file_sha256(path)
+    if actual != expected_sha256:
+        raise CheckpointError(
+            f"{path}: sha256 {actual} is not the {expected_sha256} this version of ordinal ships; the file is "
+            "damaged or from another version (reinstall ordinal, or retrain with scripts/train-embedded and "
+            "update EmbeddedSpec)"
+        )
 
 
 def _publish(staging: Path, final: Path) -> None:
@@ -178,7 +284,8 @@ def _train_tokenizer(spec: EmbeddedSpec) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=spec.vocab_size_target - len(SPECIAL_TOKENS),
-        # Frequency 1 lets a few KB of text fill the vocabulary; quality is irrelevant for random weights.
+        # Frequency 1 lets a few KB of text fill the vocabulary. Kept as it was when the weights were trained: the
+        # weights are only valid with this exact vocabulary.
         min_frequency=1,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -270,47 +377,10 @@ def _model_config(spec: EmbeddedSpec, vocab_size: int, token_ids: dict[str, int]
         "rope_scaling": None,
         "rope_theta": spec.rope_theta,
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "torch_dtype": spec.torch_dtype,
         "use_cache": True,
         "vocab_size": vocab_size,
     }
-
-
-def _weight_shapes(spec: EmbeddedSpec, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a HF LlamaForCausalLM state dict (no biases), by its HF name."""
-    hidden, inter = spec.hidden_size, spec.intermediate_size
-    q_out = spec.num_attention_heads * spec.head_dim
-    kv_out = spec.num_key_value_heads * spec.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-        "lm_head.weight": (vocab_size, hidden),
-    }
-    for layer in range(spec.num_hidden_layers):
-        prefix = f"model.layers.{layer}"
-        shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}.self_attn.q_proj.weight"] = (q_out, hidden)
-        shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv_out, hidden)
-        shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv_out, hidden)
-        shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_out)
-        shapes[f"{prefix}.mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[f"{prefix}.mlp.up_proj.weight"] = (inter, hidden)
-        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, inter)
-    return shapes
-
-
-def _init_weights(spec: EmbeddedSpec, vocab_size: int) -> dict[str, torch.Tensor]:
-    """Norms are ones; every other tensor is N(0, init_std) drawn in sorted-name order from one seeded
-    generator, so each tensor's values depend only on the spec, never on dict or hash ordering."""
-    generator = torch.Generator(device="cpu").manual_seed(spec.weight_seed)
-    weights: dict[str, torch.Tensor] = {}
-    for name, shape in sorted(_weight_shapes(spec, vocab_size).items()):
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape, dtype=torch.float32)  # [H]
-        else:
-            weights[name] = torch.normal(0.0, spec.init_std, size=shape, generator=generator)  # [out, in]
-    return weights
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

@@ -136,17 +136,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """Render ``messages`` with the checkpoint's chat template, as Hugging Face would.
 
-        Raises ValueError if the checkpoint has no template, and :class:`InvalidRequestError` (field
-        ``messages``) if the template rejects the conversation (templates call ``raise_exception``).
+        ``tools`` are OpenAI tool definitions (``{"type": "function", "function": {...}}``), passed to the
+        template as ``tools`` exactly as `transformers` and the smg gateway pass them; None (or empty) when the
+        request has none. Raises ValueError if the checkpoint has no template, and :class:`InvalidRequestError`
+        (field ``messages``) if the template rejects the conversation (templates call ``raise_exception``).
         """
         if self._compiled_template is None:
             raise ValueError(f"{self._path}: the checkpoint has no chat template (tokenizer_config.json)")
         variables: dict[str, Any] = dict(self._named_special_tokens)
         variables["messages"] = [dict(message) for message in messages]
         variables["add_generation_prompt"] = add_generation_prompt
+        variables["tools"] = [dict(tool) for tool in tools] if tools else None
         try:
             return str(self._compiled_template.render(**variables))
         except jinja2.TemplateError as error:

@@ -1,8 +1,9 @@
 """``python -m services.grammar``: load the model's tokenizer, serve grammars, print ``GRAMMAR_READY port=<port>``.
 
 The launcher waits for that line on stdout. SIGTERM or SIGINT stops the server (open grammars are dropped with
-it), then the compiler. ``--json-schema`` chooses how JSON schemas are served when a request does not say;
-``--metrics-port`` serves Prometheus metrics (JSON-schema keywords by enforcer, violations; 0 = off).
+it), then the compiler. ``--json-schema`` chooses how JSON schemas are served when a request does not say and
+``--json-whitespace`` how much whitespace a JSON grammar allows between tokens; ``--metrics-port`` serves
+Prometheus metrics (JSON-schema keywords by enforcer, violations; 0 = off).
 """
 
 from __future__ import annotations
@@ -81,7 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     mode = JsonSchemaMode(json_schema_mode(args))
     compiler_config = CompilerConfig(
-        workers=args.compile_workers, json_schema_mode=mode, json_integer_range=IntegerRange(args.json_integer_range)
+        workers=args.compile_workers,
+        json_schema_mode=mode,
+        json_integer_range=IntegerRange(args.json_integer_range),
+        json_max_whitespace=args.json_whitespace,
     )
     compiler = ConstraintCompiler.from_model_dir(model_dir(args), compiler_config)
     config = GrammarServiceConfig(fence_deadline_s=args.fence_deadline_ms / 1000.0, workers=args.workers)

@@ -88,6 +88,7 @@ def _grammar(
         compiler = CompilerConfig(
             json_schema_mode=JsonSchemaMode(json_schema_mode(args)),
             json_integer_range=IntegerRange(args.json_integer_range),
+            json_max_whitespace=args.json_whitespace,
         )
         return LocalGrammar(str(model_dir(config)), config=compiler, observer=GrammarMetrics(metrics.registry))
     vocab = runner.info.vocab_size if runner is not None else model_vocab_size(model_dir(config))

@@ -29,6 +29,7 @@ from engine.executor.runner import ModelRunner
 from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info
+from engine.grammar.json_schema_compiler import DEFAULT_JSON_MAX_WHITESPACE
 from engine.grammar.registry import GrammarRegistry
 from engine.grammar_calls import CommitEntry, CommitOutcome, DraftTree, MaskEntry, MaskRefusals, Refusal
 from engine.model.tokenizer import Tokenizer
@@ -296,7 +297,10 @@ def registry(grammar: LocalGrammar) -> GrammarRegistry:
 @pytest.fixture(scope="module")
 def fresh(embedded_model_dir: Path) -> Callable[[Sequence[int]], torch.Tensor]:
     """The reference: the schema's mask after ``tokens`` from a matcher built here, outside the registry."""
-    compiled = xgr.GrammarCompiler(load_tokenizer_info(embedded_model_dir)).compile_json_schema(_schema().text)
+    compiled = xgr.GrammarCompiler(load_tokenizer_info(embedded_model_dir)).compile_json_schema(
+        _schema().text,
+        max_whitespace_cnt=DEFAULT_JSON_MAX_WHITESPACE,  # as the registry's compiler does
+    )
 
     def mask_after(tokens: Sequence[int]) -> torch.Tensor:
         matcher = xgr.GrammarMatcher(compiled)

@@ -27,6 +27,7 @@ from engine.executor.runner import ModelRunner
 from engine.finish import AbortCause, FinishReason
 from engine.grammar.backend import LocalGrammar
 from engine.grammar.compiler import load_tokenizer_info
+from engine.grammar.json_schema_compiler import DEFAULT_JSON_MAX_WHITESPACE
 from engine.grammar.registry import FencedMasks
 from engine.grammar_calls import MaskEntry, MaskRefusals, words_per_row
 from engine.sampling_params import SamplingParams
@@ -235,7 +236,7 @@ class FreshMatcher:
 
     def __init__(self, compiler: xgr.GrammarCompiler, constraint: Constraint) -> None:
         if constraint.kind is ConstraintKind.JSON_SCHEMA:
-            grammar = compiler.compile_json_schema(constraint.text)
+            grammar = compiler.compile_json_schema(constraint.text, max_whitespace_cnt=DEFAULT_JSON_MAX_WHITESPACE)
         else:
             grammar = compiler.compile_regex(constraint.text)
         self.matcher = xgr.GrammarMatcher(grammar)
@@ -377,7 +378,8 @@ def test_checked_mode_aborts_a_violating_output_naming_the_keyword_and_stops_a_v
     jobs = [
         Job("duplicate", prompt, params, Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(FORCED_DUPLICATE))),
         Job("unique", prompt, params, Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(FORCED_UNIQUE))),
-        Job("plain", prompt, SamplingParams(temperature=0.0, max_new_tokens=8), None),
+        # ignore_eos: the trained model may end its answer within 8 tokens; this one runs to its length limit
+        Job("plain", prompt, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True), None),
     ]
     streams = _run(engine, jobs)
     duplicate = streams["duplicate"].final

@@ -38,6 +38,7 @@ from engine.constraint import Constraint, ConstraintKind
 from engine.executor.runner import ModelRunner
 from engine.finish import AbortCause
 from engine.grammar import CompilerConfig, ConstraintCompiler, load_tokenizer_info
+from engine.grammar.json_schema_compiler import DEFAULT_JSON_MAX_WHITESPACE
 from engine.grammar_calls import InvalidGrammarError
 from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
@@ -177,7 +178,7 @@ def assert_drained(stack: Stack) -> None:
 
 
 def test_json_schema_outputs_validate(stack: Stack, tokenizer: Tokenizer) -> None:
-    """Sampled at temperature 1: a schema with bounded sizes lets the random model reach the end of the grammar,
+    """Sampled at temperature 1: a schema with bounded sizes lets any model (even a random one) reach the grammar's end,
     so every sample finishes with "stop" and must then be valid JSON for the schema."""
     ids = chat_ids(tokenizer, "The weather, as JSON.")
     for stream in (False, True):
@@ -405,7 +406,7 @@ def grammar_accepts(config: EngineConfig, field: str, text: str, ids: list[int],
     compiler = xgr.GrammarCompiler(info)
     kind = Constraint.from_public_field(field, text).kind
     if kind is ConstraintKind.JSON_SCHEMA:
-        compiled = compiler.compile_json_schema(text)
+        compiled = compiler.compile_json_schema(text, max_whitespace_cnt=DEFAULT_JSON_MAX_WHITESPACE)
     elif kind is ConstraintKind.REGEX:
         compiled = compiler.compile_regex(text)
     else:
@@ -433,7 +434,9 @@ async def test_missing_mask_ends_only_that_request(config: EngineConfig, grammar
             )
         (done,) = constrained
         assert done.finish_reason == "abort" and not done.output_ids, done
-        assert [c.finish_reason for c in free] == ["length"] and len(free[0].output_ids) == 40
+        # It ends normally: at the model's end of turn (the embedded model is trained) or at its 40 tokens.
+        assert [c.finish_reason for c in free] in (["stop"], ["length"]), free
+        assert 0 < len(free[0].output_ids) <= 40
         # The public proto has no place for the reason; the engine's finish shows it is the executor's refusal.
         (out,) = s.engine.generate_batch(
             [ids], [SamplingParams(max_new_tokens=8)], TIMEOUT, [Constraint(ConstraintKind.REGEX, EMAIL)]

@@ -11,6 +11,7 @@ the target often, not always, so runs are partly accepted, partly rejected, and 
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import shutil
@@ -24,11 +25,14 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig, SpecAlgorithm, SpeculativeConfig
 from engine.constraint import Constraint, ConstraintKind
+from engine.executor.proposers import draft_dir
 from engine.finish import FinishReason
+from engine.model.embedded import DRAFT_SPEC, ensure_embedded_draft_model
 from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
 from engine.scheduler.request import RequestOutput
+from services.flags import add_engine_args, engine_config
 from tests.helpers import assert_engine_baseline
 
 NUM_REQUESTS = 32
@@ -160,6 +164,43 @@ def test_the_target_as_its_own_draft_accepts_every_draft_token(
     steps = sum(o.spec_verify_steps for o in outs)
     accepted = sum(o.spec_accepted_tokens for o in outs)
     assert steps > 0 and (accepted + steps) / steps > 3.0  # 4 drafts + 1 where max_new_tokens leaves room
+
+
+def test_the_embedded_target_drafts_with_the_embedded_draft_by_default(
+    embedded_model_dir: Path, workload: tuple[list[list[int]], list[SamplingParams]], plain: list[RequestOutput]
+) -> None:
+    """``--speculative-algorithm draft`` without ``--speculative-draft-model-path`` on the embedded target (as
+    ``ordinal serve`` passes it: its folder) serves the shipped embedded draft, built beside the target: the output is
+    plain decoding's and the trained draft's tokens are partly accepted. Fails if draft_dir refuses the embedded
+    target (the error every other target without a draft path gets)."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = ["--model", str(embedded_model_dir), "--speculative-algorithm", "draft", "--speculative-adaptive", "off"]
+    config = engine_config(parser.parse_args(flags))
+    assert config.speculative.draft_model_path is None
+    folder = draft_dir(config)
+    assert folder == ensure_embedded_draft_model(embedded_model_dir.parent) and folder.name == DRAFT_SPEC.folder_name()
+    outs = _run(embedded_model_dir, config.speculative, True, workload)
+    _same(outs, plain)
+    drafted = sum(o.spec_draft_tokens for o in outs)
+    accepted = sum(o.spec_accepted_tokens for o in outs)
+    print("embedded draft: drafted", drafted, "accepted", accepted)
+    assert drafted > 0 and 0 < accepted < drafted
+
+
+def test_a_user_target_without_a_draft_path_is_refused(embedded_model_dir: Path, tmp_path: Path) -> None:
+    """Only the embedded model has a default draft (also with no model path: built in the configured cache): another
+    target (here a copy of the embedded folder under another name) with the draft algorithm and no draft path is
+    refused, naming the flag to pass."""
+    spec = SpeculativeConfig(SpecAlgorithm.DRAFT)
+    cached = draft_dir(replace(BASE, cache_dir=str(tmp_path / "cache"), speculative=spec))
+    assert cached == tmp_path / "cache" / DRAFT_SPEC.folder_name() and (cached / "model.safetensors").is_file()
+    user = tmp_path / "my-model"
+    shutil.copytree(embedded_model_dir, user)
+    with pytest.raises(ValueError, match="--speculative-draft-model-path"):
+        draft_dir(replace(BASE, model_path=str(user), speculative=spec))
+    named = replace(spec, draft_model_path=str(embedded_model_dir))
+    assert draft_dir(replace(BASE, model_path=str(user), speculative=named)) == embedded_model_dir
 
 
 SCHEMAS = (

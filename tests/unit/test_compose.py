@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from engine.model.embedded import DRAFT_SPEC, EmbeddedSpec
 from services.flags import engine_config
 from services.launcher import build_parser
 from services.supervisor import RestartPolicy
@@ -199,3 +201,22 @@ def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
     assert sources
     for src in sources:
         assert src not in ignored and (REPO / src).exists(), src
+
+
+def test_the_embedded_weights_reach_the_image() -> None:
+    """The image serves the embedded model with no download: ``COPY engine`` carries the shipped weights (no
+    .dockerignore pattern matches them) and ``pip install .`` installs them (setuptools' package-data names them;
+    a non-editable install has no source tree to read them from)."""
+    tomllib = pytest.importorskip("tomllib")
+    patterns = [
+        line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and line[0] != "#"
+    ]
+    copied = {src for inst, args in dockerfile_instructions() if inst == "COPY" for src in args.split()[:-1]}
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for spec in (EmbeddedSpec(), DRAFT_SPEC):
+        path = spec.weights_path.relative_to(REPO)
+        assert spec.weights_path.is_file() and path.parts[0] in copied, path
+        prefixes = [Path(*path.parts[: i + 1]).as_posix() for i in range(len(path.parts))]
+        assert not [p for p in patterns for prefix in prefixes if fnmatch(prefix, p.removeprefix("**/"))], path
+        inside = path.relative_to(path.parts[0]).as_posix()
+        assert any(fnmatch(inside, pattern) for pattern in package_data[path.parts[0]]), (inside, package_data)

@@ -14,15 +14,17 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from engine.constraint import Constraint, ConstraintKind
+from engine.constraint import Constraint, ConstraintKind, JsonSchemaMode
 from engine.grammar import (
     CompiledConstraint,
+    CompilerConfig,
     ConstraintCompiler,
     GrammarRegistry,
     MaskFence,
     MatcherState,
     VersionedMatcher,
 )
+from engine.grammar.json_schema_compiler import DEFAULT_JSON_MAX_WHITESPACE
 from engine.grammar.matcher import TokenCalls, fill_mask_rows
 from engine.grammar_calls import (
     CommitEntry,
@@ -617,6 +619,41 @@ def test_compile_deadline(compiler: ConstraintCompiler) -> None:
     with pytest.raises(GrammarTimeoutError):
         compiler.compile(constraint, 0.0)
     assert compiler.compile(constraint, WAIT_S).constraint == constraint
+
+
+ANSWER_SCHEMA = '{"type":"object","properties":{"answer":{"type":"string"}},"required":["answer"]}'
+JSON_OBJECT = '{"type":"object"}'  # what smg sends for response_format json_object
+
+
+def _accepts(compiled: CompiledConstraint, text: str) -> bool:
+    return bool(xgr.GrammarMatcher(compiled.grammar).accept_string(text))
+
+
+@pytest.mark.parametrize("mode", list(JsonSchemaMode), ids=[m.value for m in JsonSchemaMode])
+def test_json_whitespace_between_tokens_is_bounded(compiler: ConstraintCompiler, mode: JsonSchemaMode) -> None:
+    """Seed 000's schema and json_object, in every mode: at most DEFAULT_JSON_MAX_WHITESPACE whitespace characters
+    in a row between tokens, so the grammar forces the next token instead of letting "{" and newlines run to
+    max_tokens. Fails if JsonSchemaCompiler stops passing max_whitespace_cnt to xgrammar."""
+    bound = DEFAULT_JSON_MAX_WHITESPACE
+    for text in (ANSWER_SCHEMA, JSON_OBJECT):
+        compiled = compiler.compile(Constraint(ConstraintKind.JSON_SCHEMA, text, mode), WAIT_S)
+        assert _accepts(compiled, '{"answer": "yes"}')
+        spaces = " " * (bound + 1)  # inside a string, spaces are content: not bounded
+        assert _accepts(compiled, "{" + "\n" + " " * (bound - 1) + f'"answer" : "a{spaces}b"' + " " * bound + "}")
+        assert not _accepts(compiled, "{" + "\n" * (bound + 1)), text
+        assert not _accepts(compiled, '{"answer":' + " " * (bound + 1)), text
+
+
+def test_unbounded_json_whitespace_is_a_config_choice(embedded_model_dir: Path) -> None:
+    """CompilerConfig(json_max_whitespace=None) (--json-whitespace unbounded) compiles xgrammar's own default."""
+    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir, CompilerConfig(json_max_whitespace=None))
+    try:
+        compiled = compiler.compile(Constraint(ConstraintKind.JSON_SCHEMA, ANSWER_SCHEMA), WAIT_S)
+        assert _accepts(compiled, "{" + "\n" * 300 + '"answer": "yes"}')
+    finally:
+        compiler.shutdown()
+    with pytest.raises(ValueError, match="json_max_whitespace"):
+        CompilerConfig(json_max_whitespace=0)
 
 
 def test_constraint_from_public_field() -> None:

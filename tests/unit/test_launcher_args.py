@@ -23,16 +23,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
 from services.flags import (
+    DEFAULT_JSON_WHITESPACE,
     DEFAULT_METRICS_PORT,
     JSON_INTEGER_RANGES,
     JSON_SCHEMA_MODES,
     add_engine_args,
     engine_argv,
     engine_config,
+    json_schema_argv,
     json_schema_mode,
 )
 from services.gateway import smg_argv
-from services.launcher import Endpoints, _metrics_ports, build_parser, json_schema_argv, main
+from services.launcher import Endpoints, _metrics_ports, build_parser, main
 from services.supervisor import RestartPolicy, ServiceFailedError, StopRequestedError, StopSignal, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +113,7 @@ def test_serve_defaults_are_the_documented_interface() -> None:
     assert (args.grammar_port, args.grammar_overlap) == (30002, "on")
     assert args.no_gateway is False and args.model is None and args.served_model_name is None
     assert args.metrics_port == DEFAULT_METRICS_PORT and args.log_level == "INFO"
-    assert json_schema_mode(args) == "checked"
+    assert json_schema_mode(args) == "checked" and args.json_whitespace == DEFAULT_JSON_WHITESPACE
     assert engine_config(args) == EngineConfig()
 
 
@@ -379,6 +381,29 @@ def test_json_integer_range_is_safe_unless_told_otherwise() -> None:
     serve = build_parser().parse_args(["serve", "--json-integer-range", "unbounded", "--json-schema", "strict"])
     passed = grammar_parser().parse_args(json_schema_argv(serve))
     assert (passed.json_integer_range, json_schema_mode(passed)) == ("unbounded", "strict")
+
+
+def test_json_whitespace_is_bounded_unless_told_unbounded() -> None:
+    """The grammar service (and the scheduler's in-process registry) bound JSON whitespace to the engine's default
+    unless ``--json-whitespace unbounded``; ``ordinal serve`` spells its value back for the grammar service and
+    refuses a bad one while parsing, before anything starts."""
+    from engine.grammar import CompilerConfig
+    from services.grammar.__main__ import build_parser as grammar_parser
+    from services.scheduler.__main__ import build_parser as scheduler_parser
+
+    assert CompilerConfig().json_max_whitespace == DEFAULT_JSON_WHITESPACE == 8
+    parse = grammar_parser().parse_args
+    assert parse([]).json_whitespace == DEFAULT_JSON_WHITESPACE
+    assert parse(["--json-whitespace", "unbounded"]).json_whitespace is None
+    assert parse(["--json-whitespace", "3"]).json_whitespace == 3
+    assert scheduler_parser().parse_args(["--json-whitespace", "unbounded"]).json_whitespace is None
+    for flags, expected in ((["--json-whitespace", "unbounded"], None), (["--json-whitespace", "2"], 2), ([], 8)):
+        argv = json_schema_argv(build_parser().parse_args(["serve", "--json-schema", "strict", *flags]))
+        assert argv[:2] == ["--json-schema", "strict"]
+        assert parse(argv).json_whitespace == expected and json_schema_mode(parse(argv)) == "strict"
+    for bad in ("0", "-1", "many", ""):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--json-whitespace", bad])
 
 
 def test_grammar_subcommand_execs_the_service_module() -> None:
