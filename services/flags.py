@@ -180,6 +180,15 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
         "--no-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA (graphs exist only on CUDA)"
     )
     group.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the executor's torch CPU threads; 0: on a CPU device every core this process may use but one (the "
+        "scheduler, the gateway and the grammar service need a core: threads that spin for one starve them), "
+        "torch's default on CUDA",
+    )
+    group.add_argument(
         "--cuda-graph-max-bs",
         type=int,
         default=defaults.batch_sizes[-1],
