@@ -38,6 +38,7 @@ class Job:
     prompt: list[int]
     max_new_tokens: int
     regex: str | None = None  # a constraint (its grammar must not end before max_new_tokens: ignore_eos is set)
+    min_new_tokens: int = 0  # EOS banned until then (a grammar that may end does not end a request before it)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ async def run_grpc(target: str, streams: int, jobs: list[Job]) -> Report:
                 temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=1, max_new_tokens=job.max_new_tokens
             )
             params.ignore_eos = True
+            params.min_new_tokens = job.min_new_tokens
             if job.regex is not None:
                 params.regex = job.regex
             request = pb.GenerateRequest(

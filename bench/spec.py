@@ -23,12 +23,12 @@ Then, under grammar (issue 16), with a grammar service in every stack, the repea
                    exist and only the verify waits for them (C4)
     early          constrained speculation, grammar overlap off: the scheduler commits before each constrained step
 
-The constraint is a regex that bans the characters `<`, `>` and `|` and may end only after a `~` (which the model
-does not write), so a constrained request runs its max_new tokens as an unconstrained one does: every step needs a
-real mask (row 0 and every draft node), the model's own continuation is allowed, so the ratio delayed / spec is the
-cost of the grammar work alone (target >= 0.9) and delayed / early is what overlapping it buys (target >= 1.1).
-Last, the mask work itself: a chain draft's masks traversed in process (xgrammar's traverse_draft_tree over the compiled
-regex and a JSON schema), time per node p50 / p99.
+The constraint is a regex that bans the characters `<`, `>` and `|`: every step needs a real mask (row 0 and every
+draft node), the model's own continuation is allowed, so the ratio delayed / spec is the cost of the grammar work
+alone (target >= 0.9) and delayed / early is what overlapping it buys (target >= 1.1). EOS is banned until max_new in
+every row (min_new_tokens), so constrained and free requests write the same text but where it would hold a banned
+character. Last, the mask work itself: a chain draft's masks traversed in process (xgrammar's traverse_draft_tree
+over the compiled regex and a JSON schema), time per node p50 / p99.
 
     .venv/bin/python bench/spec.py [--streams 1 8 32] [--max-new 96] [--algorithms draft ngram]
         [--target PATH] [--draft PATH] [--steps 4] [--topk 1] [--grammar-streams 1 32] [--no-grammar]
@@ -70,10 +70,7 @@ _REPEATING = (
     "one two three four five one two three four five one two three four five one two three",
 )
 _PEOPLE = [("Ada", "Paris"), ("Bob", "Rome"), ("Cy", "Oslo"), ("Dee", "Lima"), ("Eve", "Kyiv")] * 4
-# Bans three characters and can end only after a "~": a real mask every step, the model's text allowed, and no end of
-# text (the grammar allows EOS only where it may terminate; "[^<>|]*" would end a request at the model's first EOS,
-# which ignore_eos does not override for a grammar, as in SGLang).
-GRAMMAR_REGEX = "[^<>|~]*~"
+GRAMMAR_REGEX = "[^<>|]*"  # bans three characters: a real mask every step, the model's text allowed
 _TRAVERSAL_SCHEMA = (
     '{"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, '
     '"city": {"type": "string"}}, "required": ["name", "city"]}}'
@@ -106,7 +103,12 @@ class Row:
 
 def _prompts(tokenizer: Tokenizer, kind: str, n: int, max_new: int) -> list[Job]:
     texts = _REPEATING if kind == "repeating" else _FRESH
-    return [Job(tokenizer.encode(texts[i % len(texts)] + " " * (i % 3)), max_new) for i in range(n)]
+    # EOS is banned until max_new (min_new_tokens): every request, constrained or not, writes max_new tokens of text.
+    # ignore_eos alone would let free requests run on past EOS into chat-template tokens (which n-gram lookup predicts
+    # well) while a grammar, which ignore_eos does not override (as in SGLang), ends a constrained one at its EOS.
+    return [
+        Job(tokenizer.encode(texts[i % len(texts)] + " " * (i % 3)), max_new, min_new_tokens=max_new) for i in range(n)
+    ]
 
 
 def _spec_counts(target: str) -> tuple[float, float]:
