@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -51,7 +52,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.load import Job, run_grpc, spawned_stack
+from bench.load import Cores, Job, run_grpc, spawned_stack
 from engine.config import EngineConfig
 from engine.constraint import Constraint, ConstraintKind
 from engine.executor.proposers import draft_dir
@@ -149,11 +150,15 @@ def _mode_flags(
 
 
 def _runs(
-    target: Path, flags: list[str], workloads: dict[tuple[str, int], list[Job]], grammar: bool = False
+    target: Path,
+    flags: list[str],
+    workloads: dict[tuple[str, int], list[Job]],
+    cores: Cores | None,
+    grammar: bool = False,
 ) -> dict[tuple[str, int], Run]:
     """Every workload through one stack started with ``flags`` (executor and scheduler processes, loopback gRPC;
     with ``grammar`` a grammar service too)."""
-    with spawned_stack(target, flags, grammar=grammar) as stack:
+    with spawned_stack(target, flags, grammar=grammar, cores=cores) as stack:
         return {key: _measure(stack.target, jobs, key[1]) for key, jobs in workloads.items()}
 
 
@@ -165,13 +170,13 @@ def bench(args: argparse.Namespace) -> list[Row]:
         for kind in ("repeating", "fresh")
         for streams in args.streams
     }
-    plain = _runs(target, _mode_flags(None, None, True, True, args), workloads)
+    plain = _runs(target, _mode_flags(None, None, True, True, args), workloads, args.cores)
     rows = []
     for algorithm in args.algorithms:
         draft = _draft(algorithm, args)
-        spec = _runs(target, _mode_flags(algorithm, draft, False, True, args), workloads)
-        overlapped = _runs(target, _mode_flags(algorithm, draft, True, True, args), workloads)
-        fixed = _runs(target, _mode_flags(algorithm, draft, True, False, args), workloads)
+        spec = _runs(target, _mode_flags(algorithm, draft, False, True, args), workloads, args.cores)
+        overlapped = _runs(target, _mode_flags(algorithm, draft, True, True, args), workloads, args.cores)
+        fixed = _runs(target, _mode_flags(algorithm, draft, True, False, args), workloads, args.cores)
         for key in workloads:
             rows.append(Row(algorithm, key[0], key[1], plain[key], spec[key], overlapped[key], fixed[key]))
             _print_row(rows[-1])
@@ -198,14 +203,14 @@ def bench_grammar(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Gramma
         for streams in args.grammar_streams
     }
     constrained = {key: [replace(job, regex=GRAMMAR_REGEX) for job in jobs] for key, jobs in free.items()}
-    grammar = _runs(target, _mode_flags(None, None, True, True, args), constrained, grammar=True)
+    grammar = _runs(target, _mode_flags(None, None, True, True, args), constrained, args.cores, grammar=True)
     rows = []
     for algorithm in args.algorithms:
         draft = _draft(algorithm, args)
         on = _mode_flags(algorithm, draft, True, True, args)
-        spec = _runs(target, on, free, grammar=True)
-        delayed = _runs(target, [*on, "--grammar-overlap", "on"], constrained, grammar=True)
-        early = _runs(target, [*on, "--grammar-overlap", "off"], constrained, grammar=True)
+        spec = _runs(target, on, free, args.cores, grammar=True)
+        delayed = _runs(target, [*on, "--grammar-overlap", "on"], constrained, args.cores, grammar=True)
+        early = _runs(target, [*on, "--grammar-overlap", "off"], constrained, args.cores, grammar=True)
         for key in free:
             rows.append(GrammarRow(algorithm, key[1], spec[key], grammar[key], delayed[key], early[key]))
             _print_grammar_row(rows[-1])
@@ -296,8 +301,15 @@ def main() -> None:
     parser.add_argument("--grammar-streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--no-grammar", action="store_true", help="skip the constrained comparison")
     parser.add_argument("--only-grammar", action="store_true", help="only the constrained comparison")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="leave every process on every core (default: the executor on its own)"
+    )
     args = parser.parse_args()
+    args.cores = None if args.no_pin else Cores.split()
+    if args.cores is not None:
+        os.sched_setaffinity(0, args.cores.rest)  # before any thread of this process starts: they all inherit it
     print(f"target {args.target or 'embedded'}, draft {args.draft or 'embedded draft'}, greedy, {args.max_new} tokens")
+    print(args.cores.describe() if args.cores is not None else "no core pinning")
     if not args.only_grammar:
         print(_HEADER, flush=True)
         bench(args)

@@ -8,7 +8,10 @@ says nothing about the depth), by exponentially weighted least squares:
     draft(d, B)    = d·(c + e·B)      the proposer's time for depth d over B drafted requests
 
 Gain, per request: the probability ``α`` that a draft token is accepted, from its own verifies (accepted tokens
-against accepted plus first rejections, decayed, with the engine-wide rate as a prior of two tokens). A chain of
+against accepted plus first rejections, decayed, with the engine-wide rate as a prior of two tokens, itself leaning
+on an even prior). The records decay with every step, drafted or not: a rate that rules depth 0 gets no verify to
+correct it, so without decay in time one poor start (a prompt whose first drafts fail) would turn speculation off for
+good; instead it drifts back to the prior (half-life about 23 steps) and is tried again. A chain of
 depth d then yields ``E(d) = 1 + α + ... + α^d`` tokens per step.
 
 Each step the scheduler plans the depth d (0 .. the configured maximum) that maximises the step's tokens per
@@ -126,8 +129,9 @@ class SpecPolicy:
         return float(sum(alpha**i for i in range(depth + 1)))
 
     def alpha(self, req: RequestSpec) -> float:
-        prior = self._accepted / self._trials if self._trials else 0.5
         k = self.config.prior_tokens
+        # The engine-wide rate itself leans on an even prior of the same weight, so that it is never exactly 0 or 1.
+        prior = (self._accepted + 0.5 * k) / (self._trials + k)
         return (req.accepted + k * prior) / (req.trials + k)
 
     def _best_depth(self, requests: list[RequestSpec]) -> int | None:
@@ -155,6 +159,9 @@ class SpecPolicy:
         """A committed pure decode step: ``forward_tokens`` through the model, ``drafted`` requests drafted at
         ``depth``; the executor took ``seconds``, ``draft_seconds`` of them in the proposer."""
         self._step += 1
+        if not drafted:  # the engine-wide rate fades in time as a request's does (observe_request)
+            self._accepted *= self.config.forgetting
+            self._trials *= self.config.forgetting
         if not self.spec.adaptive or seconds <= 0.0:
             return
         self._verify.add(1.0, float(forward_tokens), seconds - draft_seconds)
@@ -168,9 +175,13 @@ class SpecPolicy:
         self._step += 1
 
     def observe_request(self, req: RequestSpec, drafted: int, accepted: int) -> None:
-        if not drafted:
-            return
         lam = self.config.forgetting
+        if not drafted:
+            # Forgotten in time too, not only by newer verifies: a request that stopped drafting on a poor start (a
+            # rate that rules depth 0 gets no verify to correct it) drifts back to the prior and is tried again.
+            req.accepted *= lam
+            req.trials *= lam
+            return
         trials = accepted + (1 if accepted < drafted else 0)
         req.accepted = lam * req.accepted + accepted
         req.trials = lam * req.trials + trials
