@@ -361,9 +361,12 @@ class Engine:
                 inflight.append((plan, self.runner.launch(plan)))
             # Overlap keeps the step just launched in flight while the one before it is committed.
             keep = 1 if self.config.overlap and plan is not None else 0
+            committed = len(inflight) > keep
             while len(inflight) > keep:
                 self._commit(*inflight.popleft())
-            if plan is None and not inflight:
+            # A commit may leave work that could not be planned before it (a speculative step accepts fewer tokens
+            # than the bound planned for it, so a request that looked complete needs another step): plan again first.
+            if plan is None and not inflight and not committed:
                 self._wait_for_work()
         while inflight:
             self._commit(*inflight.popleft())

@@ -31,7 +31,7 @@ from engine.model.embedded import DRAFT_SPEC, ensure_embedded_draft_model
 from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
-from engine.scheduler.request import RequestOutput
+from engine.scheduler.request import RequestOutput, RequestState
 from services.flags import add_engine_args, engine_config
 from tests.helpers import assert_engine_baseline
 
@@ -331,3 +331,37 @@ def test_a_grammar_that_starts_inside_the_draft_window_cuts_the_draft_there(
     drafted = sum(o.spec_draft_tokens for o in outs["spec"])
     accepted = sum(o.spec_accepted_tokens for o in outs["spec"])
     assert 0 < accepted < drafted  # drafts accepted before the boundary, refused by the masks after it
+
+
+class _WaitWatch(Engine):
+    """Records every idle wait of the loop taken while a running request could still be planned a step."""
+
+    lost_wakeups: int = 0
+
+    def _wait_for_work(self) -> None:
+        plannable = [
+            r
+            for r in self.scheduler._running
+            if r.state is RequestState.DECODING and not r.finishing and r.planned_output < r.params.max_new_tokens
+        ]
+        if plannable and not self.scheduler._inflight:
+            type(self).lost_wakeups += 1
+        super()._wait_for_work()
+
+
+def test_a_verify_that_accepts_less_than_its_bound_is_followed_at_once(
+    noisy_draft: Path, embedded_model_dir: Path, workload: tuple[list[list[int]], list[SamplingParams]]
+) -> None:
+    """Under overlap a request's last tokens are planned against the in-flight step's bound (1 + its drafts); when
+    that verify accepts fewer, the commit leaves the request short of max_new_tokens with nothing in flight. The loop
+    must plan it again at once. Fails if the loop's idle wait after a commit is not skipped (engine.py ``_loop``:
+    ``not committed``): it then sleeps with a plannable request until the wait's 0.5 s timeout, once per such
+    request, and ``lost_wakeups`` counts it (once here, removing the check once; the request then took 0.5 s more)."""
+    prompts, _ = workload
+    params = [SamplingParams(temperature=0.0, max_new_tokens=6 + i, ignore_eos=True) for i in range(8)]
+    spec = SpeculativeConfig(SpecAlgorithm.DRAFT, draft_model_path=str(noisy_draft), num_steps=4, adaptive=False)
+    _WaitWatch.lost_wakeups = 0
+    with _WaitWatch(replace(BASE, model_path=str(embedded_model_dir), speculative=spec)) as engine:
+        outs = [engine.generate_batch([prompt], [p], timeout=60)[0] for prompt, p in zip(prompts, params, strict=False)]
+    assert sum(o.spec_draft_tokens for o in outs) > sum(o.spec_accepted_tokens for o in outs)  # the case happened
+    assert _WaitWatch.lost_wakeups == 0
