@@ -17,8 +17,10 @@ depth d then yields ``E(d) = 1 + α + ... + α^d`` tokens per step.
 Each step the scheduler plans the depth d (0 .. the configured maximum) that maximises the step's tokens per
 second, ``Σ E_r(d) / (verify(B + d·B_s) + draft(d, B_s))`` over its B decodes (B_s of them drafting). Depth 0 is
 plain decoding, so the rule picks speculation only where the measured model says it is faster. To keep the
-model honest it plans the opposite choice (0 when drafting, the maximum when not) once every ``explore_every``
-steps, and alternates the full depth and none until the cost model has seen two different step sizes. The
+model honest it plans the opposite choice now and then: while drafting, a plain step once every ``explore_every``
+steps; while decoding plainly, the full depth after a gap that starts at ``explore_every`` and doubles (up to
+``max_explore_every``) each time plain decoding still wins, since a drafting step over a large batch costs several
+plain ones. Until the cost model has seen two different step sizes it alternates the full depth and none. The
 scheduler's own host time per step is left out: speculation makes fewer steps, so leaving it out only makes the
 rule more cautious.
 
@@ -36,6 +38,7 @@ from engine.config import SpeculativeConfig
 @dataclass(frozen=True)
 class SpecPolicyConfig:
     explore_every: int = 16
+    max_explore_every: int = 256
     forgetting: float = 0.97  # weight kept by past observations per new one (cost fits and acceptances)
     prior_tokens: float = 2.0  # strength of the engine-wide acceptance as a request's prior
     min_alpha: float = 0.1
@@ -99,10 +102,13 @@ class SpecPolicy:
     _trials: float = 0.0
     _step: int = 0
     _sizes: set[int] = field(default_factory=set)
+    _explore_gap: int = 0
+    _next_explore: int = 0
 
     def __post_init__(self) -> None:
         self._verify = _LinearFit(self.config.forgetting)
         self._draft = _LinearFit(self.config.forgetting)
+        self._explore_gap = self.config.explore_every
 
     # ---------------------------------------------------------------- choosing
 
@@ -114,9 +120,24 @@ class SpecPolicy:
         best = self._best_depth(requests)
         if best is None:
             return 0 if self._step % 2 else top  # learning: the cost model needs two step sizes to mean anything
+        if best == 0:
+            return self._explore_drafting()
+        self._explore_gap = self.config.explore_every  # drafting pays: a plain step now and then keeps it honest
         if self._step % self.config.explore_every == self.config.explore_every - 1:
-            return top if best == 0 else 0
+            return 0
         return best
+
+    def _explore_drafting(self) -> int:
+        """While plain decoding wins: the full depth once per gap, the gap doubling (up to ``max_explore_every``)
+        each time the rule still says plain afterwards. A drafting step over a large batch is the costly kind of
+        exploration (a draft model first catches up on every token since it last drafted, then the verify runs the
+        whole batch's drafts): at 32 streams each one cost as much as five plain steps, so a fixed period of 16 lost
+        about a fifth of the throughput that "never slower" is there to keep."""
+        if self._step < self._next_explore:
+            return 0
+        self._next_explore = self._step + self._explore_gap
+        self._explore_gap = min(2 * self._explore_gap, self.config.max_explore_every)
+        return self.spec.draft_nodes
 
     def request_depth(self, req: RequestSpec, batch_depth: int) -> int:
         if not self.spec.adaptive:

@@ -6,6 +6,7 @@ would report (each run's drafted and accepted tokens, each step's executor and p
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -75,11 +76,24 @@ def test_one_stream_with_a_good_draft_drafts_the_full_depth() -> None:
 
 def test_a_large_batch_where_verifying_costs_more_than_it_gains_decodes_plainly() -> None:
     """Batch 32 and a per-token cost that makes every draft token expensive: the rule settles on depth 0 (never
-    slower), trying the full depth only once every explore_every steps."""
-    policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16))
+    slower), trying the full depth again after gaps that double from explore_every (16, 32, 64, ...). Fails if the
+    gap does not grow (a fixed period of 16 explores 22 times in these 360 steps, not 3 to 5)."""
+    policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16, max_explore_every=256))
     machine = Machine(fixed=2.0, per_token=0.5, draft_fixed=0.3, draft_per_request=0.05)
-    chosen = _drive(policy, machine, batch=32, alpha=0.5, steps=200)
-    assert chosen[-160:].count(0) == 150 and chosen[-160:].count(4) == 10
+    chosen = _drive(policy, machine, batch=32, alpha=0.5, steps=400)
+    tail = chosen[40:]
+    explored = [i for i, d in enumerate(tail) if d]
+    assert set(tail) == {0, 4} and 3 <= len(explored) <= 5
+    gaps = [b - a for a, b in itertools.pairwise(explored)]
+    assert all(later >= 2 * earlier for earlier, later in itertools.pairwise(gaps)), gaps
+
+
+def test_exploring_plain_decoding_while_drafting_keeps_its_period() -> None:
+    """While drafting pays, a plain step comes once every explore_every steps, at a fixed period."""
+    policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16))
+    machine = Machine(fixed=2.0, per_token=0.05, draft_fixed=0.3, draft_per_request=0.01)
+    chosen = _drive(policy, machine, batch=1, alpha=0.8, steps=200)
+    assert chosen[-160:].count(0) == 10
 
 
 def test_poor_acceptance_turns_speculation_down() -> None:
