@@ -120,6 +120,7 @@ class Engine:
         self._opening: dict[str, bool] = {}
         self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ordinal-grammar-open")
         self._wake = threading.Event()
+        self._last_commit: float | None = None  # perf_counter of the last commit, None after an idle wait
         self._idle = threading.Event()
         self._stopping = False
         # Engine ids submitted and not yet finished. submit() adds with one setdefault (atomic under the GIL, so two
@@ -385,7 +386,9 @@ class Engine:
         self._drain_inbox()  # an abort recorded before this commit wins over its result (C7)
         # So does a grammar session's loss. A row without its mask may be the first sign of one: then ask the service.
         self._take_grammar_loss(verify=any(run.error is not None for run in result.runs))
-        pending = self.scheduler.commit(result)
+        now = time.perf_counter()
+        period, self._last_commit = (now - self._last_commit if self._last_commit is not None else None), now
+        pending = self.scheduler.commit(result, period)
         outcome = self.scheduler.finish_commit(pending, self._commit_grammar(pending.grammar))
         self._timeline.step_committed(plan, result)
         self._deliver(outcome)
@@ -523,6 +526,7 @@ class Engine:
                 sink(out)
 
     def _wait_for_work(self) -> None:
+        self._last_commit = None  # the next step's period would count this wait
         if self.scheduler.idle and not self._live:
             for release in self._releases:
                 release.result()  # buffers are back before anyone is told the engine is idle

@@ -325,9 +325,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- commit (C1)
 
-    def commit(self, result: StepResult) -> PendingCommit:
+    def commit(self, result: StepResult, period_s: float | None = None) -> PendingCommit:
         """Phase 1 of the single commit step (C1): check ``result`` against its plan and cut each run at the token
-        that finishes its request. Returns the grammar entries to commit; :meth:`finish_commit` does the rest."""
+        that finishes its request. Returns the grammar entries to commit; :meth:`finish_commit` does the rest.
+
+        ``period_s``: wall seconds since the commit before it, when the loop did not wait idle in between (None
+        otherwise): what the step really cost the engine's throughput, the host's work included."""
         if not self._inflight or self._inflight[0].plan.step_id != result.step_id:
             oldest = self._inflight[0].plan.step_id if self._inflight else None
             raise ProtocolError(f"result for step {result.step_id} out of order: oldest in flight is {oldest}")
@@ -354,14 +357,18 @@ class Scheduler:
             self._spec.add(run.num_drafted, run.num_accepted)
             self._policy.observe_request(req.drafting, run.num_drafted, run.num_accepted)
             cuts.append(_cut(req, run))
-        self._observe_spec(inflight, result)
+        self._observe_spec(inflight, result, period_s)
         grammar = [
             CommitEntry(c.req.request_id, len(c.req.output_ids), c.kept) for c in cuts if c.req.constraint is not None
         ]
         return PendingCommit(grammar, outcome, inflight, cuts)
 
-    def _observe_spec(self, inflight: _Inflight, result: StepResult) -> None:
-        """What the step's depth paid: only pure decode steps say it (a prefill chunk's cost is not the depth's)."""
+    def _observe_spec(self, inflight: _Inflight, result: StepResult, period_s: float | None) -> None:
+        """What the step's depth paid: only pure decode steps say it (a prefill chunk's cost is not the depth's).
+
+        The cost is the step's period when known, else the executor's time: where the host is the bottleneck
+        (many streams, few cores) a draft's cost to throughput is the scheduler's work on its tokens as much as the
+        verify's, and the executor's time alone made drafting look free there."""
         if not self._draft_nodes:
             return
         if any(e.is_prefill for e in inflight.plan.entries):
@@ -370,7 +377,8 @@ class Scheduler:
         forward_tokens = sum(1 + run.num_drafted for run in result.runs)
         drafted = sum(1 for run in result.runs if run.num_drafted)
         timing = result.timing
-        self._policy.observe_step(forward_tokens, inflight.draft_depth, drafted, timing.done, timing.draft_seconds)
+        seconds = max(timing.done, period_s) if period_s is not None else timing.done
+        self._policy.observe_step(forward_tokens, inflight.draft_depth, drafted, seconds, timing.draft_seconds)
 
     def finish_commit(self, pending: PendingCommit, grammar: Sequence[GrammarCommitOutcome]) -> CommitOutcome:
         """Phase 2: ``grammar`` answers ``pending.grammar`` in order. A run the grammar ended early is cut there
