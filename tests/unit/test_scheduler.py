@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.request import IllegalTransitionError, Request, RequestState
 from engine.scheduler.scheduler import CommitOutcome, Scheduler
 from engine.scheduler.stop import StopChecker
-from engine.step import SampledRun, StepPlan, StepResult
+from engine.step import SampledRun, StepPlan, StepResult, StepTiming
 
 EOS = 2
 
@@ -407,3 +407,23 @@ def test_a_row_the_executor_could_not_sample_ends_its_request_alone() -> None:
     assert by_id["a"].finish is not None and by_id["a"].finish.cause is AbortCause.GRAMMAR
     assert by_id["a"].output_ids == () and "behind_deadline" in (by_id["a"].finish.message or "")
     assert by_id["b"].new_token_ids == (4,) and by_id["b"].finish is None
+
+
+def test_the_speculation_cost_model_reads_the_step_period_when_given() -> None:
+    """The never-slower rule's cost is what a step costs the engine's throughput: the wall period between commits
+    (host work included) when the loop ran the steps back to back, else the executor's time. Here the executor
+    reports 1 ms a step while the steps come 10 ms apart: the fitted step cost must be about 10 ms. Fails if
+    ``_observe_spec`` ignores ``period_s`` (the fit then says 1 ms, checked once by removing it)."""
+    s = _sched(speculative=SpeculativeConfig(SpecAlgorithm.NGRAM, num_steps=4))
+    s.add(_req("a", 3, max_new=200))
+    _commit(s, _result(s.plan()))  # the prefill
+    for _ in range(40):
+        plan = s.plan()
+        assert plan is not None
+        entry = plan.entries[0]
+        run = SampledRun(entry.request_id, entry.ordinal + 1, (7,), entry.num_draft, 0)
+        s.finish_commit(s.commit(StepResult(plan.step_id, (run,), StepTiming(done=0.001)), period_s=0.010), [])
+    fit = s._policy._verify.weights()
+    assert fit is not None
+    a, b = fit
+    assert a + b * 1 == pytest.approx(0.010, rel=0.05)
