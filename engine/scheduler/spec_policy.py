@@ -1,11 +1,15 @@
 """The "never slower" rule: how many draft positions each decode gets, from what speculation measurably costs and
 what it measurably gains.
 
-Cost, fitted online from every pure decode step the executor reports (``StepTiming``; a step with a prefill chunk
-says nothing about the depth), by exponentially weighted least squares:
+Cost, fitted online from every pure decode step (a step with a prefill chunk says nothing about the depth), by
+exponentially weighted least squares:
 
-    verify(T)      = a + b·T          executor time outside the proposer, T = tokens in the step's forward
+    verify(T)      = a + b·T          the step's cost outside the proposer, T = tokens in the step's forward
     draft(d, B)    = d·(c + e·B)      the proposer's time for depth d over B drafted requests
+
+A step's cost is its period (the wall time between two commits the loop ran back to back: the host's work on the
+step's tokens included) or, when unknown, the executor's time (``StepTiming``): where the scheduler's core is the
+bottleneck the executor's time alone made drafting look free.
 
 Gain, per request: the probability ``α`` that a draft token is accepted, from its own verifies (accepted tokens
 against accepted plus first rejections, decayed, with the engine-wide rate as a prior of two tokens, itself leaning
@@ -19,10 +23,9 @@ second, ``Σ E_r(d) / (verify(B + d·B_s) + draft(d, B_s))`` over its B decodes 
 plain decoding, so the rule picks speculation only where the measured model says it is faster. To keep the
 model honest it plans the opposite choice now and then: while drafting, a plain step once every ``explore_every``
 steps; while decoding plainly, the full depth after a gap that starts at ``explore_every`` and doubles (up to
-``max_explore_every``) each time plain decoding still wins, since a drafting step over a large batch costs several
-plain ones. Until the cost model has seen two different step sizes it alternates the full depth and none. The
-scheduler's own host time per step is left out: speculation makes fewer steps, so leaving it out only makes the
-rule more cautious.
+``max_explore_every``) each time plain decoding still wins, and with only ``explore_requests`` of the batch drafting,
+since a drafting step over a large batch costs several plain ones. Until the cost model has seen two different step
+sizes it alternates the full depth and none.
 
 A request whose acceptance falls below ``min_alpha`` stops drafting for ``pause`` steps (doubled on each relapse
 up to ``max_pause``), then tries again.
@@ -39,6 +42,7 @@ from engine.config import SpeculativeConfig
 class SpecPolicyConfig:
     explore_every: int = 16
     max_explore_every: int = 256
+    explore_requests: int = 4  # how many of a step's requests draft when it explores drafting
     forgetting: float = 0.97  # weight kept by past observations per new one (cost fits and acceptances)
     prior_tokens: float = 2.0  # strength of the engine-wide acceptance as a request's prior
     min_alpha: float = 0.1
@@ -104,6 +108,7 @@ class SpecPolicy:
     _sizes: set[int] = field(default_factory=set)
     _explore_gap: int = 0
     _next_explore: int = 0
+    _explore_quota: int | None = None  # requests of the exploring step that may still draft; None: not exploring
 
     def __post_init__(self) -> None:
         self._verify = _LinearFit(self.config.forgetting)
@@ -115,6 +120,7 @@ class SpecPolicy:
     def batch_depth(self, requests: list[RequestSpec]) -> int:
         """The draft depth for a step whose decodes are ``requests``."""
         top = self.spec.draft_nodes
+        self._explore_quota = None
         if not self.spec.adaptive or top == 0 or not requests:
             return top
         best = self._best_depth(requests)
@@ -137,12 +143,22 @@ class SpecPolicy:
             return 0
         self._next_explore = self._step + self._explore_gap
         self._explore_gap = min(2 * self._explore_gap, self.config.max_explore_every)
+        # Only a few requests draft: their verifies and the step's size say what drafting would pay, and the cost of
+        # finding out stays small (each drafting request's draft model first catches up on everything it missed).
+        self._explore_quota = self.config.explore_requests
         return self.spec.draft_nodes
 
     def request_depth(self, req: RequestSpec, batch_depth: int) -> int:
+        """The depth of one request of the step planned at ``batch_depth`` (asked in the step's order)."""
         if not self.spec.adaptive:
             return batch_depth
-        return 0 if self._step < req.paused_until else batch_depth
+        if self._step < req.paused_until:
+            return 0
+        if self._explore_quota is not None:  # an exploring step: its first few requests draft
+            if self._explore_quota <= 0:
+                return 0
+            self._explore_quota -= 1
+        return batch_depth
 
     def expected_tokens(self, req: RequestSpec, depth: int) -> float:
         """Tokens a chain verify of ``depth`` draft tokens is expected to give ``req``: 1 + α + ... + α^depth."""

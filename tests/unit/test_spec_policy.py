@@ -32,8 +32,11 @@ class Machine:
         return self.fixed + self.per_token * tokens + draft, draft
 
 
-def _drive(policy: SpecPolicy, machine: Machine, batch: int, alpha: float, steps: int) -> list[int]:
-    """``steps`` decode steps of ``batch`` requests whose draft tokens are each accepted with ``alpha``."""
+def _drive(
+    policy: SpecPolicy, machine: Machine, batch: int, alpha: float, steps: int, drafting: list[int] | None = None
+) -> list[int]:
+    """``steps`` decode steps of ``batch`` requests whose draft tokens are each accepted with ``alpha``; the batch
+    depth chosen for each (and in ``drafting`` how many requests drafted)."""
     rng = random.Random(7)
     reqs = [RequestSpec() for _ in range(batch)]
     chosen = []
@@ -51,6 +54,8 @@ def _drive(policy: SpecPolicy, machine: Machine, batch: int, alpha: float, steps
             drafted += d > 0
         seconds, draft_seconds = machine.times(tokens, depth, drafted)
         policy.observe_step(tokens, depth, drafted, seconds, draft_seconds)
+        if drafting is not None:
+            drafting.append(drafted)
     return chosen
 
 
@@ -80,10 +85,13 @@ def test_a_large_batch_where_verifying_costs_more_than_it_gains_decodes_plainly(
     gap does not grow (a fixed period of 16 explores 22 times in these 360 steps, not 3 to 5)."""
     policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16, max_explore_every=256))
     machine = Machine(fixed=2.0, per_token=0.5, draft_fixed=0.3, draft_per_request=0.05)
-    chosen = _drive(policy, machine, batch=32, alpha=0.5, steps=400)
+    drafting: list[int] = []
+    chosen = _drive(policy, machine, batch=32, alpha=0.5, steps=400, drafting=drafting)
     tail = chosen[40:]
     explored = [i for i, d in enumerate(tail) if d]
     assert set(tail) == {0, 4} and 3 <= len(explored) <= 5
+    # Each exploring step drafts for explore_requests (4) of the 32 requests only: fails if the quota is removed.
+    assert {drafting[40 + i] for i in explored} == {4}
     gaps = [b - a for a, b in itertools.pairwise(explored)]
     assert all(later >= 2 * earlier for earlier, later in itertools.pairwise(gaps)), gaps
 
