@@ -312,6 +312,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         args.attention_backend,
         "--cuda-graph-max-bs",
         str(args.cuda_graph_max_bs),
+        "--cpu-threads",
+        str(args.cpu_threads),
     ]
     if args.speculative_algorithm:
         argv += ["--speculative-algorithm", args.speculative_algorithm]

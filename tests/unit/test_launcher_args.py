@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import os
 import subprocess
 import sys
 import textwrap
@@ -77,11 +78,14 @@ def test_engine_argv_round_trips_every_engine_flag() -> None:
         "off",
         "--outage-timeout",
         "7.5",
+        "--cpu-threads",
+        "3",
     ]
     parser = _engine_parser()
     args = parser.parse_args(flags)
     again = parser.parse_args(["--model", "/m", *engine_argv(args)])
     assert engine_config(again) == engine_config(args)
+    assert again.cpu_threads == 3  # a process setting of the executor, not part of the engine config
     assert engine_config(args) == EngineConfig(
         model_path="/m",
         device="cuda:1",
@@ -429,3 +433,16 @@ def test_the_gateway_is_a_dependency_and_its_absence_is_named(monkeypatch: pytes
         SystemExit, match=r"smg gateway is not installed \(pip install smg==1.13.0\), or use --no-gateway"
     ):
         gateway.find_smg()
+
+
+def test_the_executor_leaves_a_core_to_the_others_on_a_cpu_device() -> None:
+    """--cpu-threads 0 on CPU: every core the process may use but one (at least one); as asked otherwise; torch's
+    default (None) on CUDA; a negative count is refused."""
+    from services.executor.__main__ import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads(0, "cpu") == max(1, cores - 1)
+    assert cpu_threads(3, "cpu") == 3
+    assert cpu_threads(0, "cuda:0") is None
+    with pytest.raises(SystemExit, match="--cpu-threads"):
+        cpu_threads(-1, "cpu")
