@@ -63,7 +63,7 @@ class SlotBuffer:
         self.pending, self.run_start = run[-1], ordinal
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per entry per step on the hot path (see engine/step.py)
 class ResolvedEntry:
     """One entry checked against its slot, before anything of the slot changes."""
 
