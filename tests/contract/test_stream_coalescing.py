@@ -11,8 +11,6 @@ servicer's ``before_write`` hook (the moment its previous message is still being
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +23,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as spb_grpc
 from engine.config import EngineConfig
 from engine.executor.runner import ModelRunner
 from services.scheduler.servicer import ServicerOptions
-from tests.contract.gated_stack import WAIT_S, gated_engine
+from tests.contract.gated_stack import WAIT_S, WritePause, gated_engine
 from tests.helpers import smg_request
 from tests.support.gate import StepGate
 from tests.support.servers import ExecutorThread, ThreadedServer
@@ -49,29 +47,6 @@ def executor(config: EngineConfig) -> Iterator[str]:
     yield f"127.0.0.1:{server.port}"
     server.stop()
     runner.shutdown()
-
-
-class HeldWrite:
-    """The servicer's ``before_write`` hook: lets the first ``after`` messages of request ``rid`` through, then
-    holds the next one until :meth:`release` (the event loop writes the other streams meanwhile)."""
-
-    def __init__(self, rid: str, after: int) -> None:
-        self.rid = rid
-        self.after = after
-        self.writes = 0
-        self.holding = threading.Event()
-        self._go = threading.Event()
-
-    async def __call__(self, rid: str) -> None:
-        if rid != self.rid:
-            return
-        self.writes += 1
-        if self.writes > self.after and not self._go.is_set():
-            self.holding.set()
-            assert await asyncio.to_thread(self._go.wait, WAIT_S), "the test never released the held write"
-
-    def release(self) -> None:
-        self._go.set()
 
 
 @dataclass
@@ -128,7 +103,7 @@ def test_a_caught_up_stream_gets_a_chunk_per_step_and_a_stream_behind_gets_the_m
     the behind stream then gets HELD_STEPS one-token chunks), and if the relay waits to batch a caught-up stream
     (its per-step read then times out at the gate). Checked once by making `_delivered` return every item unmerged.
     """
-    hold = HeldWrite("behind", after=1)
+    hold = WritePause("behind", after=1)
     sampled = {"behind": 0, "up": 0}
     with (
         gated_engine(executor, config) as (engine, gate),
@@ -152,15 +127,15 @@ def test_a_caught_up_stream_gets_a_chunk_per_step_and_a_stream_behind_gets_the_m
         while sampled["up"] < MAX_NEW:
             names = _release_step(gate, sampled)
             if sampled["behind"] == 2:
-                assert hold.holding.wait(WAIT_S), "the behind stream never tried its second write"
+                assert hold.paused.wait(WAIT_S), "the behind stream never tried its second write"
             if "up" in names:
                 chunk = up.next_chunk()
                 assert len(chunk.token_ids) == 1 and chunk.completion_tokens == sampled["up"], chunk
-            if sampled["behind"] == 2 + HELD_STEPS and not hold._go.is_set():
+            if sampled["behind"] == 2 + HELD_STEPS and not hold.released:
                 hold.release()
                 behind.read_until(2 + HELD_STEPS)
                 assert [len(c.token_ids) for c in behind.chunks] == [1, 1, HELD_STEPS]
-            elif hold._go.is_set() and "behind" in names and sampled["behind"] <= MAX_NEW:
+            elif hold.released and "behind" in names and sampled["behind"] <= MAX_NEW:
                 behind.read_until(sampled["behind"])  # caught up again: a chunk per step
         gate.release_all()
         behind.read_until(MAX_NEW)
