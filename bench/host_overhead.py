@@ -10,7 +10,13 @@ concurrent greedy streams (long outputs, ignore_eos) from this process, waits un
 reads each process's CPU time (/proc/<pid>/stat) and the executor's step count and forward CPU time (GetState)
 over a window of steps. Printed per N (8, 32, 128 by default), in one run:
 
-    streams  steps  scheduler ms/step  us/request  executor ms/step  forward ms/step  rest ms/step
+    streams  steps  scheduler ms/step  us/request  executor ms/step  forward ms/step  rest ms/step  step ms
+    msgs/step  tokens/msg
+
+(step ms: wall time per step over the window, to within the 50 ms the window is sampled at; msgs/step and
+tokens/msg: the stream chunks the clients received per step and the tokens each carried: a stream that falls behind
+gets several tokens in one chunk. A scheduler whose CPU per step nears the step time is saturated: its streams then
+fall behind and coalesce.)
 
 Targets at 128 streams (issue 14): scheduler <= 3 ms of CPU per step, executor outside the forward <= 2 ms.
 
@@ -62,6 +68,9 @@ class Row:
     scheduler_ms: float
     executor_ms: float
     forward_ms: float
+    wall_ms: float  # wall time per step
+    messages: float  # stream chunks the clients received per step
+    tokens: float  # tokens those chunks carried per step
 
     @property
     def rest_ms(self) -> float:
@@ -110,6 +119,7 @@ async def measure(
     rng = random.Random(streams)
     decoding = asyncio.Event()
     started = [0]
+    received = [0, 0]  # chunks, tokens: read by the window's two samples
 
     async def stream(stub: pb_grpc.SglangSchedulerStub, i: int) -> None:
         params = pb.SamplingParams(
@@ -127,6 +137,8 @@ async def measure(
         counted = False
         async for response in stub.Generate(request, timeout=600):
             tokens += len(response.chunk.token_ids)
+            received[0] += 1
+            received[1] += len(response.chunk.token_ids)
             if tokens >= 4 and not counted:
                 counted = True
                 started[0] += 1
@@ -143,11 +155,15 @@ async def measure(
                 print(f"PROFILE scheduler={pids[0]} executor={pids[1]} streams={streams}", flush=True)
                 await asyncio.sleep(pause_s)
             first = sample(*pids, executor)
+            first_received = tuple(received)
+            started_at = time.monotonic()
             deadline = time.monotonic() + 300
             while (last := sample(*pids, executor)).steps < first.steps + steps:
                 if time.monotonic() > deadline:
                     raise TimeoutError("the window's steps did not come")
                 await asyncio.sleep(0.05)
+            last_received = tuple(received)
+            wall = time.monotonic() - started_at
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -158,6 +174,9 @@ async def measure(
         (last.scheduler_cpu - first.scheduler_cpu) / n * 1e3,
         (last.executor_cpu - first.executor_cpu) / n * 1e3,
         (last.forward_cpu - first.forward_cpu) / n * 1e3,
+        wall / n * 1e3,
+        (last_received[0] - first_received[0]) / n,
+        (last_received[1] - first_received[1]) / n,
     )
 
 
@@ -165,12 +184,14 @@ def print_table(rows: list[Row]) -> None:
     header = (
         f"{'streams':>8}{'steps':>7}{'scheduler ms/step':>19}{'us/request':>12}"
         f"{'executor ms/step':>18}{'forward ms/step':>17}{'rest ms/step':>14}"
+        f"{'step ms':>9}{'msgs/step':>11}{'tokens/msg':>12}"
     )
     print(header)
     for r in rows:
         print(
             f"{r.streams:>8}{r.steps:>7}{r.scheduler_ms:>19.2f}{r.scheduler_ms * 1e3 / r.streams:>12.0f}"
-            f"{r.executor_ms:>18.2f}{r.forward_ms:>17.2f}{r.rest_ms:>14.2f}"
+            f"{r.executor_ms:>18.2f}{r.forward_ms:>17.2f}{r.rest_ms:>14.2f}{r.wall_ms:>9.2f}"
+            f"{r.messages:>11.1f}{r.tokens / max(r.messages, 1e-9):>12.2f}"
         )
 
 

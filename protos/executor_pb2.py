@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\x13ordinal.executor.v1\"\x12\n\x10ModelInfoRequest\"\xf2\x01\n\tModelInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x11\n\tnum_pages\x18\x08 \x01(\r\x12\x13\n\x0binstance_id\x18\t \x01(\tB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\xf7\x02\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x01\x12\x32\n\nlogit_bias\x18\n \x03(\x0b\x32\x1e.ordinal.executor.v1.LogitBias\x12\x11\n\x04seed\x18\x0b \x01(\x12H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\rB\x07\n\x05_seed\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"w\n\nNewRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\x33\n\x06params\x18\x02 \x01(\x0b\x32#.ordinal.executor.v1.SamplingParams\x12\x0c\n\x04seed\x18\x03 \x01(\x12\x12\x12\n\ncached_len\x18\x04 \x01(\r\"\xdd\x01\n\tStepEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x0f\n\x07ordinal\x18\x03 \x01(\r\x12\x11\n\tinput_ids\x18\x04 \x03(\r\x12\x11\n\tinput_ref\x18\x05 \x01(\x08\x12\x11\n\tnum_draft\x18\x06 \x01(\r\x12\x0e\n\x06sample\x18\x07 \x01(\x08\x12\x11\n\tnew_pages\x18\x08 \x03(\r\x12,\n\x03new\x18\t \x01(\x0b\x32\x1f.ordinal.executor.v1.NewRequest\x12\x13\n\x0b\x63onstrained\x18\n \x01(\x08\"L\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x1e.ordinal.executor.v1.StepEntry\"\x18\n\x07Release\x12\r\n\x05slots\x18\x01 \x03(\r\"x\n\x0eSessionRequest\x12-\n\x04plan\x18\x01 \x01(\x0b\x32\x1d.ordinal.executor.v1.StepPlanH\x00\x12/\n\x07release\x18\x02 \x01(\x0b\x32\x1c.ordinal.executor.v1.ReleaseH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"?\n\x0bTopLogprobs\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.ordinal.executor.v1.TopLogprob\"\x87\x02\n\nSampledRun\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07ordinal\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x05 \x01(\r\x12\x10\n\x08logprobs\x18\x06 \x03(\x01\x12\x14\n\x0chas_logprobs\x18\x07 \x01(\x08\x12\x36\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32 .ordinal.executor.v1.TopLogprobs\x12\x18\n\x10has_top_logprobs\x18\t \x01(\x08\x12\x12\n\x05\x65rror\x18\n \x01(\tH\x00\x88\x01\x01\x42\x08\n\x06_error\"\xa3\x01\n\nStepTiming\x12\x1a\n\rmasks_started\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\x0f\x66orward_started\x18\x02 \x01(\x01\x12\x14\n\x0c\x66orward_done\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x01\x12\x13\n\x0b\x66orward_cpu\x18\x05 \x01(\x01\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x42\x10\n\x0e_masks_started\"}\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x04runs\x18\x02 \x03(\x0b\x32\x1f.ordinal.executor.v1.SampledRun\x12/\n\x06timing\x18\x03 \x01(\x0b\x32\x1f.ordinal.executor.v1.StepTiming\"\x1c\n\x0bReleaseDone\x12\r\n\x05slots\x18\x01 \x03(\r\";\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xb0\x01\n\x0cSessionReply\x12\x31\n\x06result\x18\x01 \x01(\x0b\x32\x1f.ordinal.executor.v1.StepResultH\x00\x12\x34\n\x08released\x18\x02 \x01(\x0b\x32 .ordinal.executor.v1.ReleaseDoneH\x00\x12/\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1e.ordinal.executor.v1.StepErrorH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStateRequest\"w\n\rExecutorState\x12\x0f\n\x07\x62uffers\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x14\n\x0csession_open\x18\x03 \x01(\x08\x12\x1b\n\x13\x66orward_cpu_seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x64raft_slots\x18\x05 \x01(\r2\x8b\x02\n\x08\x45xecutor\x12U\n\x0cGetModelInfo\x12%.ordinal.executor.v1.ModelInfoRequest\x1a\x1e.ordinal.executor.v1.ModelInfo\x12U\n\x07Session\x12#.ordinal.executor.v1.SessionRequest\x1a!.ordinal.executor.v1.SessionReply(\x01\x30\x01\x12Q\n\x08GetState\x12!.ordinal.executor.v1.StateRequest\x1a\".ordinal.executor.v1.ExecutorStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\x13ordinal.executor.v1\"\x12\n\x10ModelInfoRequest\"\xf2\x01\n\tModelInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x11\n\tnum_pages\x18\x08 \x01(\r\x12\x13\n\x0binstance_id\x18\t \x01(\tB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\xf7\x02\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x01\x12\x32\n\nlogit_bias\x18\n \x03(\x0b\x32\x1e.ordinal.executor.v1.LogitBias\x12\x11\n\x04seed\x18\x0b \x01(\x12H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\rB\x07\n\x05_seed\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"w\n\nNewRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\x33\n\x06params\x18\x02 \x01(\x0b\x32#.ordinal.executor.v1.SamplingParams\x12\x0c\n\x04seed\x18\x03 \x01(\x12\x12\x12\n\ncached_len\x18\x04 \x01(\r\"\xf8\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\r\n\x05slots\x18\x04 \x03(\r\x12\x10\n\x08ordinals\x18\x05 \x03(\r\x12\r\n\x05\x66lags\x18\x06 \x03(\r\x12\x11\n\tnum_draft\x18\x07 \x03(\r\x12\x14\n\x0cinput_counts\x18\x08 \x03(\r\x12\x11\n\tinput_ids\x18\t \x03(\r\x12\x13\n\x0bpage_counts\x18\n \x03(\r\x12\x11\n\tnew_pages\x18\x0b \x03(\r\x12,\n\x03new\x18\x0c \x03(\x0b\x32\x1f.ordinal.executor.v1.NewRequestJ\x04\x08\x02\x10\x03\"\x18\n\x07Release\x12\r\n\x05slots\x18\x01 \x03(\r\"x\n\x0eSessionRequest\x12-\n\x04plan\x18\x01 \x01(\x0b\x32\x1d.ordinal.executor.v1.StepPlanH\x00\x12/\n\x07release\x18\x02 \x01(\x0b\x32\x1c.ordinal.executor.v1.ReleaseH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"?\n\x0bTopLogprobs\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.ordinal.executor.v1.TopLogprob\"\xaf\x01\n\x08RunExtra\x12\x0b\n\x03run\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\x12\x14\n\x0chas_logprobs\x18\x03 \x01(\x08\x12\x36\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32 .ordinal.executor.v1.TopLogprobs\x12\x18\n\x10has_top_logprobs\x18\x05 \x01(\x08\x12\x12\n\x05\x65rror\x18\x06 \x01(\tH\x00\x88\x01\x01\x42\x08\n\x06_error\"\xa3\x01\n\nStepTiming\x12\x1a\n\rmasks_started\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\x0f\x66orward_started\x18\x02 \x01(\x01\x12\x14\n\x0c\x66orward_done\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x01\x12\x13\n\x0b\x66orward_cpu\x18\x05 \x01(\x01\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x42\x10\n\x0e_masks_started\"\xfe\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x06timing\x18\x03 \x01(\x0b\x32\x1f.ordinal.executor.v1.StepTiming\x12\x13\n\x0brequest_ids\x18\x04 \x03(\t\x12\x10\n\x08ordinals\x18\x05 \x03(\r\x12\x14\n\x0ctoken_counts\x18\x06 \x03(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x13\n\x0bnum_drafted\x18\x08 \x03(\r\x12\x14\n\x0cnum_accepted\x18\t \x03(\r\x12-\n\x06\x65xtras\x18\n \x03(\x0b\x32\x1d.ordinal.executor.v1.RunExtraJ\x04\x08\x02\x10\x03\"\x1c\n\x0bReleaseDone\x12\r\n\x05slots\x18\x01 \x03(\r\";\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xb0\x01\n\x0cSessionReply\x12\x31\n\x06result\x18\x01 \x01(\x0b\x32\x1f.ordinal.executor.v1.StepResultH\x00\x12\x34\n\x08released\x18\x02 \x01(\x0b\x32 .ordinal.executor.v1.ReleaseDoneH\x00\x12/\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1e.ordinal.executor.v1.StepErrorH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStateRequest\"w\n\rExecutorState\x12\x0f\n\x07\x62uffers\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x14\n\x0csession_open\x18\x03 \x01(\x08\x12\x1b\n\x13\x66orward_cpu_seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x64raft_slots\x18\x05 \x01(\r*U\n\tEntryFlag\x12\x13\n\x0f\x45NTRY_FLAG_NONE\x10\x00\x12\r\n\tINPUT_REF\x10\x01\x12\n\n\x06SAMPLE\x10\x02\x12\x0f\n\x0b\x43ONSTRAINED\x10\x04\x12\x07\n\x03NEW\x10\x08\x32\x8b\x02\n\x08\x45xecutor\x12U\n\x0cGetModelInfo\x12%.ordinal.executor.v1.ModelInfoRequest\x1a\x1e.ordinal.executor.v1.ModelInfo\x12U\n\x07Session\x12#.ordinal.executor.v1.SessionRequest\x1a!.ordinal.executor.v1.SessionReply(\x01\x30\x01\x12Q\n\x08GetState\x12!.ordinal.executor.v1.StateRequest\x1a\".ordinal.executor.v1.ExecutorStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.executor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ENTRYFLAG']._serialized_start=2376
+  _globals['_ENTRYFLAG']._serialized_end=2461
   _globals['_MODELINFOREQUEST']._serialized_start=46
   _globals['_MODELINFOREQUEST']._serialized_end=64
   _globals['_MODELINFO']._serialized_start=67
@@ -41,34 +43,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGITBIAS']._serialized_end=732
   _globals['_NEWREQUEST']._serialized_start=734
   _globals['_NEWREQUEST']._serialized_end=853
-  _globals['_STEPENTRY']._serialized_start=856
-  _globals['_STEPENTRY']._serialized_end=1077
-  _globals['_STEPPLAN']._serialized_start=1079
-  _globals['_STEPPLAN']._serialized_end=1155
-  _globals['_RELEASE']._serialized_start=1157
-  _globals['_RELEASE']._serialized_end=1181
-  _globals['_SESSIONREQUEST']._serialized_start=1183
-  _globals['_SESSIONREQUEST']._serialized_end=1303
-  _globals['_TOPLOGPROB']._serialized_start=1305
-  _globals['_TOPLOGPROB']._serialized_end=1352
-  _globals['_TOPLOGPROBS']._serialized_start=1354
-  _globals['_TOPLOGPROBS']._serialized_end=1417
-  _globals['_SAMPLEDRUN']._serialized_start=1420
-  _globals['_SAMPLEDRUN']._serialized_end=1683
-  _globals['_STEPTIMING']._serialized_start=1686
-  _globals['_STEPTIMING']._serialized_end=1849
-  _globals['_STEPRESULT']._serialized_start=1851
-  _globals['_STEPRESULT']._serialized_end=1976
-  _globals['_RELEASEDONE']._serialized_start=1978
-  _globals['_RELEASEDONE']._serialized_end=2006
-  _globals['_STEPERROR']._serialized_start=2008
-  _globals['_STEPERROR']._serialized_end=2067
-  _globals['_SESSIONREPLY']._serialized_start=2070
-  _globals['_SESSIONREPLY']._serialized_end=2246
-  _globals['_STATEREQUEST']._serialized_start=2248
-  _globals['_STATEREQUEST']._serialized_end=2262
-  _globals['_EXECUTORSTATE']._serialized_start=2264
-  _globals['_EXECUTORSTATE']._serialized_end=2383
-  _globals['_EXECUTOR']._serialized_start=2386
-  _globals['_EXECUTOR']._serialized_end=2653
+  _globals['_STEPPLAN']._serialized_start=856
+  _globals['_STEPPLAN']._serialized_end=1104
+  _globals['_RELEASE']._serialized_start=1106
+  _globals['_RELEASE']._serialized_end=1130
+  _globals['_SESSIONREQUEST']._serialized_start=1132
+  _globals['_SESSIONREQUEST']._serialized_end=1252
+  _globals['_TOPLOGPROB']._serialized_start=1254
+  _globals['_TOPLOGPROB']._serialized_end=1301
+  _globals['_TOPLOGPROBS']._serialized_start=1303
+  _globals['_TOPLOGPROBS']._serialized_end=1366
+  _globals['_RUNEXTRA']._serialized_start=1369
+  _globals['_RUNEXTRA']._serialized_end=1544
+  _globals['_STEPTIMING']._serialized_start=1547
+  _globals['_STEPTIMING']._serialized_end=1710
+  _globals['_STEPRESULT']._serialized_start=1713
+  _globals['_STEPRESULT']._serialized_end=1967
+  _globals['_RELEASEDONE']._serialized_start=1969
+  _globals['_RELEASEDONE']._serialized_end=1997
+  _globals['_STEPERROR']._serialized_start=1999
+  _globals['_STEPERROR']._serialized_end=2058
+  _globals['_SESSIONREPLY']._serialized_start=2061
+  _globals['_SESSIONREPLY']._serialized_end=2237
+  _globals['_STATEREQUEST']._serialized_start=2239
+  _globals['_STATEREQUEST']._serialized_end=2253
+  _globals['_EXECUTORSTATE']._serialized_start=2255
+  _globals['_EXECUTORSTATE']._serialized_end=2374
+  _globals['_EXECUTOR']._serialized_start=2464
+  _globals['_EXECUTOR']._serialized_end=2731
 # @@protoc_insertion_point(module_scope)

@@ -1,10 +1,24 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class EntryFlag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENTRY_FLAG_NONE: _ClassVar[EntryFlag]
+    INPUT_REF: _ClassVar[EntryFlag]
+    SAMPLE: _ClassVar[EntryFlag]
+    CONSTRAINED: _ClassVar[EntryFlag]
+    NEW: _ClassVar[EntryFlag]
+ENTRY_FLAG_NONE: EntryFlag
+INPUT_REF: EntryFlag
+SAMPLE: EntryFlag
+CONSTRAINED: EntryFlag
+NEW: EntryFlag
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -86,37 +100,31 @@ class NewRequest(_message.Message):
     cached_len: int
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cached_len: _Optional[int] = ...) -> None: ...
 
-class StepEntry(_message.Message):
-    __slots__ = ("request_id", "slot", "ordinal", "input_ids", "input_ref", "num_draft", "sample", "new_pages", "new", "constrained")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    SLOT_FIELD_NUMBER: _ClassVar[int]
-    ORDINAL_FIELD_NUMBER: _ClassVar[int]
-    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
-    INPUT_REF_FIELD_NUMBER: _ClassVar[int]
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "request_ids", "slots", "ordinals", "flags", "num_draft", "input_counts", "input_ids", "page_counts", "new_pages", "new")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ORDINALS_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
-    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
     NEW_FIELD_NUMBER: _ClassVar[int]
-    CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    slot: int
-    ordinal: int
-    input_ids: _containers.RepeatedScalarFieldContainer[int]
-    input_ref: bool
-    num_draft: int
-    sample: bool
-    new_pages: _containers.RepeatedScalarFieldContainer[int]
-    new: NewRequest
-    constrained: bool
-    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., ordinal: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., input_ref: _Optional[bool] = ..., num_draft: _Optional[int] = ..., sample: _Optional[bool] = ..., new_pages: _Optional[_Iterable[int]] = ..., new: _Optional[_Union[NewRequest, _Mapping]] = ..., constrained: _Optional[bool] = ...) -> None: ...
-
-class StepPlan(_message.Message):
-    __slots__ = ("step_id", "entries")
-    STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    entries: _containers.RepeatedCompositeFieldContainer[StepEntry]
-    def __init__(self, step_id: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    ordinals: _containers.RepeatedScalarFieldContainer[int]
+    flags: _containers.RepeatedScalarFieldContainer[int]
+    num_draft: _containers.RepeatedScalarFieldContainer[int]
+    input_counts: _containers.RepeatedScalarFieldContainer[int]
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    page_counts: _containers.RepeatedScalarFieldContainer[int]
+    new_pages: _containers.RepeatedScalarFieldContainer[int]
+    new: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., ordinals: _Optional[_Iterable[int]] = ..., flags: _Optional[_Iterable[int]] = ..., num_draft: _Optional[_Iterable[int]] = ..., input_counts: _Optional[_Iterable[int]] = ..., input_ids: _Optional[_Iterable[int]] = ..., page_counts: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ..., new: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("slots",)
@@ -146,29 +154,21 @@ class TopLogprobs(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, entries: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
-class SampledRun(_message.Message):
-    __slots__ = ("request_id", "ordinal", "token_ids", "num_drafted", "num_accepted", "logprobs", "has_logprobs", "top_logprobs", "has_top_logprobs", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    ORDINAL_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
-    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+class RunExtra(_message.Message):
+    __slots__ = ("run", "logprobs", "has_logprobs", "top_logprobs", "has_top_logprobs", "error")
+    RUN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    ordinal: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_drafted: int
-    num_accepted: int
+    run: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     has_logprobs: bool
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     has_top_logprobs: bool
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., ordinal: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., has_top_logprobs: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, run: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., has_top_logprobs: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("masks_started", "forward_started", "forward_done", "done", "forward_cpu", "draft_seconds")
@@ -187,14 +187,26 @@ class StepTiming(_message.Message):
     def __init__(self, masks_started: _Optional[float] = ..., forward_started: _Optional[float] = ..., forward_done: _Optional[float] = ..., done: _Optional[float] = ..., forward_cpu: _Optional[float] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "runs", "timing")
+    __slots__ = ("step_id", "timing", "request_ids", "ordinals", "token_counts", "token_ids", "num_drafted", "num_accepted", "extras")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    RUNS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ORDINALS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    runs: _containers.RepeatedCompositeFieldContainer[SampledRun]
     timing: StepTiming
-    def __init__(self, step_id: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[SampledRun, _Mapping]]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    ordinals: _containers.RepeatedScalarFieldContainer[int]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_drafted: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    extras: _containers.RepeatedCompositeFieldContainer[RunExtra]
+    def __init__(self, step_id: _Optional[int] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., ordinals: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., extras: _Optional[_Iterable[_Union[RunExtra, _Mapping]]] = ...) -> None: ...
 
 class ReleaseDone(_message.Message):
     __slots__ = ("slots",)

@@ -63,7 +63,7 @@ class SlotBuffer:
         self.pending, self.run_start = run[-1], ordinal
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per entry per step on the hot path (see engine/step.py)
 class ResolvedEntry:
     """One entry checked against its slot, before anything of the slot changes."""
 
@@ -80,10 +80,7 @@ class StepDrafts:
 
     drafts: list[Draft]
     seconds: float = 0.0
-
-    @property
-    def any(self) -> bool:
-        return any(d.num_nodes for d in self.drafts)
+    any: bool = False  # some entry has a draft (set by :meth:`ModelRunner._propose`)
 
 
 class ModelRunner:
@@ -207,7 +204,10 @@ class ModelRunner:
         resolved = self._resolve(plan)
         drafts = self._propose(resolved)
         sampling = [i for i, r in enumerate(resolved) if r.entry.sample]
-        first_row = list(itertools.accumulate((1 + drafts.drafts[i].num_nodes for i in sampling), initial=0))
+        if drafts.any:
+            first_row = list(itertools.accumulate((1 + drafts.drafts[i].num_nodes for i in sampling), initial=0))
+        else:
+            first_row = list(range(len(sampling) + 1))  # one logits row per sampling entry
         # C4, delayed sampling (delayed verify): the fenced masks, a draft's included, are fetched while the forward
         # runs; only sampling waits.
         masks_started = time.perf_counter() - started
@@ -330,7 +330,7 @@ class ModelRunner:
         for i, request, draft in zip(wanted, requests, self._proposer.propose(requests), strict=True):
             _check_draft(draft, request)
             drafts[i] = draft
-        return StepDrafts(drafts, time.perf_counter() - started)
+        return StepDrafts(drafts, time.perf_counter() - started, any(d.num_nodes for d in drafts))
 
     def _draft_request(self, r: ResolvedEntry) -> DraftRequest:
         buf, nodes = r.buffer, r.entry.num_draft

@@ -20,7 +20,7 @@ class LogitsMode(enum.Enum):
     ALL = "all"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per entry per step, where frozen's __init__ costs five times as much
 class SeqInput:
     """One request's share of a step.
 
@@ -224,14 +224,16 @@ class _HostLayout:
     @classmethod
     def of(cls, seqs: Sequence[SeqInput], page_size: int) -> _HostLayout:
         count = len(seqs)
-        lens = np.fromiter((len(seq.token_ids) for seq in seqs), dtype=np.int64, count=count)  # [S]
+        # Lists, not generators, feed numpy: this runs once per step over every sequence of the batch.
+        lens = np.array([len(seq.token_ids) for seq in seqs], dtype=np.int64)  # [S]
+        starts = np.array([seq.start_pos for seq in seqs], dtype=np.int64)  # [S]
         row_starts = np.zeros(count + 1, dtype=np.int64)  # [S + 1]
         np.cumsum(lens, out=row_starts[1:])
-        page_counts, page_tables = _page_tables(seqs, page_size)
+        page_counts, page_tables = _page_tables(seqs, page_size, -(-(starts + lens) // page_size))
         return cls(
             page_size=page_size,
             lens=lens,
-            starts=np.fromiter((seq.start_pos for seq in seqs), dtype=np.int64, count=count),  # [S]
+            starts=starts,
             row_starts=row_starts,
             seq_of_row=np.repeat(np.arange(count, dtype=np.int64), lens),  # [T]
             page_counts=page_counts,
@@ -254,35 +256,34 @@ class _HostLayout:
 
     def logits_rows(self, modes: list[LogitsMode]) -> _Ints:
         """[R] rows that produce logits, in row (= sequence) order."""
-        count = len(modes)
-        last = np.fromiter((m is LogitsMode.LAST for m in modes), dtype=np.bool_, count=count)  # [S]
-        every = np.fromiter((m is LogitsMode.ALL for m in modes), dtype=np.bool_, count=count)  # [S]
+        last = np.array([m is LogitsMode.LAST for m in modes], dtype=np.bool_)  # [S]
+        every = np.array([m is LogitsMode.ALL for m in modes], dtype=np.bool_)  # [S]
         is_last_row = np.zeros(self.num_tokens, dtype=np.bool_)  # [T]
         is_last_row[self.row_starts[1:] - 1] = True
         keep = every[self.seq_of_row] | (last[self.seq_of_row] & is_last_row)  # [T]
         return np.flatnonzero(keep).astype(np.int64)  # [R]
 
 
-def _page_tables(seqs: Sequence[SeqInput], page_size: int) -> tuple[_Ints, _Ints]:
-    """Page counts [S] and the 0-padded prefixes of the page tables this step touches [S, P]; validated."""
-    counts = [-(-seq.end_pos // page_size) for seq in seqs]
-    for index, (seq, needed) in enumerate(zip(seqs, counts, strict=True)):
-        if len(seq.page_table) < needed:
+def _page_tables(seqs: Sequence[SeqInput], page_size: int, needed: _Ints) -> tuple[_Ints, _Ints]:
+    """Page counts [S] (``needed``: the pages covering each sequence's positions) and the 0-padded prefixes of the
+    page tables this step touches [S, P]; validated."""
+    counts = needed.tolist()
+    for index, (seq, count) in enumerate(zip(seqs, counts, strict=True)):
+        if len(seq.page_table) < count:
             raise ValueError(
                 f"seq {index}: page_table has {len(seq.page_table)} pages of {page_size} tokens but positions "
                 f"0..{seq.end_pos - 1} (start_pos {seq.start_pos} + {len(seq.token_ids)} new tokens) "
-                f"need {needed} pages"
+                f"need {count} pages"
             )
-    flat = _flat_ints((seq.page_table[:needed] for seq, needed in zip(seqs, counts, strict=True)), sum(counts))
+    flat = _flat_ints((seq.page_table[:count] for seq, count in zip(seqs, counts, strict=True)), sum(counts))
     if int(flat.min()) < 0:
         index = int(np.searchsorted(np.cumsum(counts), int(flat.argmin()), side="right"))
         pages = list(seqs[index].page_table[: counts[index]])
         raise ValueError(f"seq {index}: page_table contains a negative page id: {pages}")
-    page_counts = np.array(counts, dtype=np.int64)  # [S]
-    tables = np.zeros((len(seqs), int(page_counts.max())), dtype=np.int64)  # [S, P]
-    # Row-major boolean assignment fills each row's leading page_counts[s] entries in order.
-    tables[np.arange(tables.shape[1])[None, :] < page_counts[:, None]] = flat
-    return page_counts, tables
+    tables = np.zeros((len(seqs), int(needed.max())), dtype=np.int64)  # [S, P]
+    # Row-major boolean assignment fills each row's leading needed[s] entries in order.
+    tables[np.arange(tables.shape[1])[None, :] < needed[:, None]] = flat
+    return needed, tables
 
 
 def _flat_ints(parts: Iterable[Sequence[int]], total: int) -> _Ints:
@@ -303,7 +304,7 @@ MAX_DECODE_RUN = 8
 def _decode_runs(layout: _HostLayout, seqs: Sequence[SeqInput]) -> npt.NDArray[np.bool_]:
     """[S] which sequences are attended as decode queries: single tokens, and short chains after cached context."""
     short = (layout.lens == 1) | ((layout.lens <= MAX_DECODE_RUN) & (layout.starts > 0))  # [S]
-    trees = np.fromiter((seq.tree_parents is not None for seq in seqs), dtype=np.bool_, count=len(seqs))  # [S]
+    trees = np.array([seq.tree_parents is not None for seq in seqs], dtype=np.bool_)  # [S]
     return short & ~trees  # [S]
 
 

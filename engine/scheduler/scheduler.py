@@ -270,6 +270,8 @@ class Scheduler:
 
     def _new_pages(self, req: Request) -> tuple[int, ...]:
         """The pages the executor has not been sent yet (the persistent batch: each page travels once)."""
+        if req.sent_pages == len(req.pages):
+            return ()  # most decodes: the page they write was sent before
         pages = tuple(req.pages[req.sent_pages :])
         req.sent_pages = len(req.pages)
         return pages

@@ -23,6 +23,9 @@ class StopUpdate:
     trim_tokens: int
 
 
+_NO_TEXT = StopUpdate(text_delta="", finish=None, trim_tokens=0)  # immutable: shared by every token-only update
+
+
 @dataclass(frozen=True)
 class _StopMatch:
     stop: str
@@ -93,6 +96,10 @@ class StopChecker:
         stops_armed = self._num_tokens - 1 >= self._params.min_new_tokens
         token_stop = stops_armed and token_id in self._stop_ids
         last = token_stop or self._num_tokens >= self._params.max_new_tokens
+        if self._detok is None and not last:
+            # Tokens only (no decoder, hence no stop strings): no text moves. Once per stream per step.
+            self._token_ends.append(0)
+            return _NO_TEXT
         prev_len = self._add_text(self._new_text(token_id, last))
         self._token_ends.append(self._stable_len)
         if token_stop:

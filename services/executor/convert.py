@@ -9,6 +9,11 @@ differs from zero (seed, logprobs, top logprobs, the new-request part of an entr
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engine.errors import ProtocolError
 from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult, StepTiming
@@ -126,58 +131,124 @@ def new_request_from_proto(msg: pb.NewRequest) -> NewRequest:
     )
 
 
-def entry_to_proto(entry: StepEntry) -> pb.StepEntry:
-    # Once per request per step on the scheduler: fields at their proto3 default are not set at all.
-    msg = pb.StepEntry(request_id=entry.request_id, slot=entry.slot, ordinal=entry.ordinal, sample=entry.sample)
-    if entry.input_ids:
-        msg.input_ids.extend(entry.input_ids)
-    if entry.input_ref:
-        msg.input_ref = True
-    if entry.num_draft:
-        msg.num_draft = entry.num_draft
-    if entry.new_pages:
-        msg.new_pages.extend(entry.new_pages)
-    if entry.constrained:
-        msg.constrained = True
-    if entry.new is not None:
-        msg.new.CopyFrom(new_request_to_proto(entry.new))
-    return msg
-
-
-def entry_from_proto(msg: pb.StepEntry) -> StepEntry:
-    # Once per request per step on the executor: positional, and empty repeated fields skip the tuple copy.
-    ids, pages = msg.input_ids, msg.new_pages
-    return StepEntry(
-        msg.request_id,
-        msg.slot,
-        msg.ordinal,
-        tuple(ids) if ids else (),
-        msg.input_ref,
-        msg.num_draft,
-        msg.sample,
-        tuple(pages) if pages else (),
-        new_request_from_proto(msg.new) if msg.HasField("new") else None,
-        msg.constrained,
-    )
+# A plan's entries and a result's runs travel as packed columns (protos/executor.proto): once per step, with one
+# Python pass per column instead of one proto message per request.
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
-    return pb.StepPlan(step_id=plan.step_id, entries=[entry_to_proto(e) for e in plan.entries])
+    entries = plan.entries
+    msg = pb.StepPlan(
+        step_id=plan.step_id,
+        request_ids=[e.request_id for e in entries],
+        slots=[e.slot for e in entries],
+        ordinals=[e.ordinal for e in entries],
+        flags=[_flags(e) for e in entries],
+    )
+    if any(e.num_draft for e in entries):
+        msg.num_draft.extend([e.num_draft for e in entries])
+    if any(e.input_ids for e in entries):
+        msg.input_counts.extend([len(e.input_ids) for e in entries])
+        msg.input_ids.extend(itertools.chain.from_iterable(e.input_ids for e in entries))
+    if any(e.new_pages for e in entries):
+        msg.page_counts.extend([len(e.new_pages) for e in entries])
+        msg.new_pages.extend(itertools.chain.from_iterable(e.new_pages for e in entries))
+    news = [new_request_to_proto(e.new) for e in entries if e.new is not None]
+    if news:
+        msg.new.extend(news)
+    return msg
+
+
+def _flags(entry: StepEntry) -> int:
+    return (
+        (pb.INPUT_REF if entry.input_ref else 0)
+        | (pb.SAMPLE if entry.sample else 0)
+        | (pb.CONSTRAINED if entry.constrained else 0)
+        | (pb.NEW if entry.new is not None else 0)
+    )
 
 
 def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
-    return StepPlan(step_id=msg.step_id, entries=tuple(entry_from_proto(e) for e in msg.entries))
+    """The plan's entries; :class:`ProtocolError` when its columns disagree (before anything of it runs)."""
+    ids = list(msg.request_ids)
+    n = len(ids)
+    slots, ordinals, flags = list(msg.slots), list(msg.ordinals), list(msg.flags)
+    _check_column("slots", len(slots), n)
+    _check_column("ordinals", len(ordinals), n)
+    _check_column("flags", len(flags), n)
+    drafts = list(msg.num_draft) if msg.num_draft else [0] * n
+    _check_column("num_draft", len(drafts), n)
+    inputs = _split("input_counts", msg.input_counts, msg.input_ids, n)
+    pages = _split("page_counts", msg.page_counts, msg.new_pages, n)
+    flagged_new = sum(1 for f in flags if f & pb.NEW)
+    if flagged_new != len(msg.new):
+        raise ProtocolError(f"step message: {flagged_new} entries flagged NEW, {len(msg.new)} NewRequest messages")
+    news = iter(msg.new)
+    entries = tuple(
+        StepEntry(
+            rid,
+            slot,
+            ordinal,
+            run,
+            bool(f & pb.INPUT_REF),
+            draft,
+            bool(f & pb.SAMPLE),
+            page,
+            new_request_from_proto(next(news)) if f & pb.NEW else None,
+            bool(f & pb.CONSTRAINED),
+        )
+        for rid, slot, ordinal, f, draft, run, page in zip(
+            ids, slots, ordinals, flags, drafts, inputs, pages, strict=True
+        )
+    )
+    return StepPlan(step_id=msg.step_id, entries=entries)
+
+
+def _check_column(name: str, length: int, n: int) -> None:
+    if length != n:
+        raise ProtocolError(f"step message: column {name} has {length} values for {n} entries")
+
+
+def _split(name: str, counts: Sequence[int], flat: Sequence[int], n: int) -> list[tuple[int, ...]]:
+    """Cut the concatenated ``flat`` into ``n`` tuples of ``counts`` (empty counts: every tuple empty)."""
+    if not counts:
+        if flat:
+            raise ProtocolError(f"step message: {len(flat)} values but no {name}")
+        return [()] * n
+    _check_column(name, len(counts), n)
+    values = list(flat)
+    if sum(counts) != len(values):
+        raise ProtocolError(f"step message: {name} add up to {sum(counts)}, {len(values)} values came")
+    out: list[tuple[int, ...]] = []
+    pos = 0
+    for count in counts:
+        out.append(tuple(values[pos : pos + count]) if count else ())
+        pos += count
+    return out
 
 
 # ---------------------------------------------------------------- step results
 
 
-def run_to_proto(run: SampledRun) -> pb.SampledRun:
-    msg = pb.SampledRun(request_id=run.request_id, ordinal=run.ordinal, token_ids=run.token_ids)
-    if run.num_drafted:
-        msg.num_drafted = run.num_drafted
-    if run.num_accepted:
-        msg.num_accepted = run.num_accepted
+def result_to_proto(result: StepResult) -> pb.StepResult:
+    runs = result.runs
+    msg = pb.StepResult(
+        step_id=result.step_id,
+        timing=timing_to_proto(result.timing),
+        request_ids=[r.request_id for r in runs],
+        ordinals=[r.ordinal for r in runs],
+        token_counts=[len(r.token_ids) for r in runs],
+        token_ids=list(itertools.chain.from_iterable(r.token_ids for r in runs)),
+    )
+    if any(r.num_drafted or r.num_accepted for r in runs):
+        msg.num_drafted.extend([r.num_drafted for r in runs])
+        msg.num_accepted.extend([r.num_accepted for r in runs])
+    for i, run in enumerate(runs):
+        if run.logprobs is not None or run.top_logprobs is not None or run.error is not None:
+            _extra_to_proto(run, msg.extras.add(run=i))
+    return msg
+
+
+def _extra_to_proto(run: SampledRun, msg: pb.RunExtra) -> None:
     if run.logprobs is not None:
         msg.has_logprobs = True
         msg.logprobs.extend(run.logprobs)
@@ -187,24 +258,42 @@ def run_to_proto(run: SampledRun) -> pb.SampledRun:
             msg.top_logprobs.add().entries.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top)
     if run.error is not None:
         msg.error = run.error
-    return msg
 
 
-def run_from_proto(msg: pb.SampledRun) -> SampledRun:
+def result_from_proto(msg: pb.StepResult) -> StepResult:
+    """The result's runs; :class:`ProtocolError` when its columns disagree."""
+    ids = list(msg.request_ids)
+    n = len(ids)
+    ordinals = list(msg.ordinals)
+    _check_column("ordinals", len(ordinals), n)
+    _check_column("token_counts", len(msg.token_counts), n)
+    tokens = _split("token_counts", msg.token_counts, msg.token_ids, n)
+    drafted = list(msg.num_drafted) if msg.num_drafted else [0] * n
+    accepted = list(msg.num_accepted) if msg.num_accepted else [0] * n
+    _check_column("num_drafted", len(drafted), n)
+    _check_column("num_accepted", len(accepted), n)
+    runs = [
+        SampledRun(rid, ordinal, run, d, a)
+        for rid, ordinal, run, d, a in zip(ids, ordinals, tokens, drafted, accepted, strict=True)
+    ]
+    for extra in msg.extras:
+        if extra.run >= n:
+            raise ProtocolError(f"step message: extras for run {extra.run} of {n}")
+        runs[extra.run] = _with_extra(runs[extra.run], extra)
+    return StepResult(step_id=msg.step_id, runs=tuple(runs), timing=timing_from_proto(msg.timing))
+
+
+def _with_extra(run: SampledRun, msg: pb.RunExtra) -> SampledRun:
     top = (
         tuple(tuple((t.token_id, t.logprob) for t in row.entries) for row in msg.top_logprobs)
         if msg.has_top_logprobs
         else None
     )
-    return SampledRun(  # once per sampled request per step: positional
-        msg.request_id,
-        msg.ordinal,
-        tuple(msg.token_ids),
-        msg.num_drafted,
-        msg.num_accepted,
-        tuple(msg.logprobs) if msg.has_logprobs else None,
-        top,
-        msg.error if msg.HasField("error") else None,
+    return replace(
+        run,
+        logprobs=tuple(msg.logprobs) if msg.has_logprobs else None,
+        top_logprobs=top,
+        error=msg.error if msg.HasField("error") else None,
     )
 
 
@@ -229,20 +318,4 @@ def timing_from_proto(msg: pb.StepTiming) -> StepTiming:
         done=msg.done,
         forward_cpu=msg.forward_cpu,
         draft_seconds=msg.draft_seconds,
-    )
-
-
-def result_to_proto(result: StepResult) -> pb.StepResult:
-    return pb.StepResult(
-        step_id=result.step_id,
-        runs=[run_to_proto(r) for r in result.runs],
-        timing=timing_to_proto(result.timing),
-    )
-
-
-def result_from_proto(msg: pb.StepResult) -> StepResult:
-    return StepResult(
-        step_id=msg.step_id,
-        runs=tuple(run_from_proto(r) for r in msg.runs),
-        timing=timing_from_proto(msg.timing),
     )

@@ -146,16 +146,21 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 def _check_plan(plan: StepPlan, info: ModelInfo) -> None:
     """Refuse values no scheduler may send before they reach the model, where they would be internal errors."""
     for entry in plan.entries:
+        if entry.new is None and not entry.input_ids and entry.input_ref:
+            continue  # a decode: its pages are checked below, all at once
         who = f"request {entry.request_id}"
         if entry.new is not None:
             entry.new.params.validate(info.vocab_size)
             _check_ids(entry.new.prompt_ids, info.vocab_size, f"{who}: prompt token")
         _check_ids(entry.input_ids, info.vocab_size, f"{who}: input token")
-        _check_ids(entry.new_pages, info.num_pages, f"{who}: page")
         if entry.input_ref and entry.input_ids:
             raise ProtocolError(f"{who}: a decode's input is its reference alone")
         if entry.num_tokens == 0:
             raise ProtocolError(f"{who}: an entry needs at least one input token")
+    pages = [page for entry in plan.entries for page in entry.new_pages]
+    if pages and max(pages) >= info.num_pages:
+        bad = next(e for e in plan.entries if any(p >= info.num_pages for p in e.new_pages))
+        _check_ids(bad.new_pages, info.num_pages, f"request {bad.request_id}: page")
 
 
 def _check_ids(ids: tuple[int, ...], bound: int, what: str) -> None:

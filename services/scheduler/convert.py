@@ -288,16 +288,17 @@ def chunk_response(
     request_id: str, index: int, out: RequestOutput, completion_tokens: int, with_logprobs: bool
 ) -> pb.GenerateResponse:
     """One stream chunk: the tokens ``out`` added, with cumulative counts (``completion_tokens`` streamed)."""
-    chunk = pb.GenerateStreamChunk(
-        token_ids=list(out.new_token_ids),
-        prompt_tokens=out.num_prompt_tokens,
-        completion_tokens=completion_tokens,
-        cached_tokens=out.num_cached_tokens,
-        index=index,
-    )
+    # Once per stream per step: filled in place (a message passed to a constructor would be copied).
+    response = pb.GenerateResponse(request_id=request_id)
+    chunk = response.chunk
+    chunk.token_ids.extend(out.new_token_ids)
+    chunk.prompt_tokens = out.num_prompt_tokens
+    chunk.completion_tokens = completion_tokens
+    chunk.cached_tokens = out.num_cached_tokens
+    chunk.index = index
     if with_logprobs:
         chunk.output_logprobs.CopyFrom(output_logprobs(out.logprobs))
-    return pb.GenerateResponse(request_id=request_id, chunk=chunk)
+    return response
 
 
 def complete_response(

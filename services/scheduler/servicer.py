@@ -161,18 +161,19 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         engine's outputs is written, even what the engine committed before the abort reached it: only a Complete
         with finish reason abort per open sample, counting the tokens this stream carried."""
         samples = rpc.samples
+        hook = self._before_write  # None but in tests: then no coroutine per message just to read rpc.aborted
         while not samples.done and rpc.aborted is None:
             batch = await _delivered(rpc.outputs)
             for index, out in batch:
                 samples.check_fatal(out)
                 if samples.spec.stream and out.new_token_ids:
-                    if not await self._may_write(rpc):
+                    if (rpc.aborted is not None) if hook is None else not await self._may_write(rpc):
                         break
                     await context.write(samples.chunk(index, out))
                 else:
                     samples.received(index, out)
                 if out.finish is not None:
-                    if not await self._may_write(rpc):
+                    if (rpc.aborted is not None) if hook is None else not await self._may_write(rpc):
                         break
                     await context.write(samples.complete(index, out))
         if rpc.aborted is not None:
@@ -180,7 +181,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 await context.write(samples.aborted(index))
 
     async def _may_write(self, rpc: _Rpc) -> bool:
-        """Whether the relay may write the engine's next message: not once an Abort RPC won."""
+        """Whether the relay may write the engine's next message: not once an Abort RPC won. Called only with the
+        test hook set; without it the relay reads ``rpc.aborted`` itself (no coroutine per message)."""
         if self._before_write is not None:
             await self._before_write(rpc.samples.spec.request_id)
         return rpc.aborted is None
@@ -459,6 +461,8 @@ async def _delivered(outputs: _Outputs) -> list[tuple[int, RequestOutput]]:
     one output per sample. A stream that keeps up gets each token at once; one that fell behind (its writes
     waited) gets the tokens it missed in one chunk instead of one message each. Empty when an abort woke it."""
     items = await outputs.take_all()
+    if len(items) == 1:  # a stream that keeps up: its one output of this step
+        return [items[0]] if items[0] is not None else []
     merged: dict[int, RequestOutput] = {}
     for item in items:
         if item is None:

@@ -16,6 +16,7 @@ embedded model. The gate only holds and releases messages in order. The checks:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -242,6 +243,33 @@ def gated_engine(
             engine.shutdown()
     finally:
         gate.stop()
+
+
+class WritePause:
+    """The servicer's ``before_write`` hook: lets the first ``after`` stream messages of request ``rid`` through,
+    then holds the next one until :meth:`release` (the event loop serves other RPCs meanwhile)."""
+
+    def __init__(self, rid: str, after: int) -> None:
+        self.rid = rid
+        self.after = after
+        self.writes = 0
+        self.paused = threading.Event()
+        self._go = threading.Event()
+
+    async def __call__(self, rid: str) -> None:
+        if rid != self.rid:
+            return
+        self.writes += 1
+        if self.writes > self.after and not self._go.is_set():
+            self.paused.set()
+            assert await asyncio.to_thread(self._go.wait, WAIT_S), "the test never released the paused write"
+
+    def release(self) -> None:
+        self._go.set()
+
+    @property
+    def released(self) -> bool:
+        return self._go.is_set()
 
 
 # ---------------------------------------------------------------------------------------------------- checks

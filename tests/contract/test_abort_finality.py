@@ -18,9 +18,7 @@ The moment between "the engine committed outputs" and "the stream wrote them" is
 
 from __future__ import annotations
 
-import asyncio
 import re
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -39,7 +37,15 @@ from engine.grammar.backend import LocalGrammar
 from engine.scheduler.engine import Engine
 from engine.scheduler.tombstones import TombstoneBounds
 from services.scheduler.servicer import ServicerOptions
-from tests.contract.gated_stack import WAIT_S, EngineEvents, GrammarProbe, assert_back_to, baseline, gated_engine
+from tests.contract.gated_stack import (
+    WAIT_S,
+    EngineEvents,
+    GrammarProbe,
+    WritePause,
+    assert_back_to,
+    baseline,
+    gated_engine,
+)
 from tests.helpers import assert_engine_baseline, smg_request
 from tests.support.gate import decode
 from tests.support.servers import ExecutorThread, ThreadedServer
@@ -68,29 +74,6 @@ def events() -> EngineEvents:
 def engine(config: EngineConfig, events: EngineEvents) -> Iterator[Engine]:
     with Engine(config, observer=events) as e:
         yield e
-
-
-class WritePause:
-    """The servicer's ``before_write`` hook: lets the first ``after`` stream messages of request ``rid`` through,
-    then holds the next one until :meth:`release` (the event loop serves other RPCs meanwhile)."""
-
-    def __init__(self, rid: str, after: int) -> None:
-        self.rid = rid
-        self.after = after
-        self.writes = 0
-        self.paused = threading.Event()
-        self._go = threading.Event()
-
-    async def __call__(self, rid: str) -> None:
-        if rid != self.rid:
-            return
-        self.writes += 1
-        if self.writes > self.after and not self._go.is_set():
-            self.paused.set()
-            assert await asyncio.to_thread(self._go.wait, WAIT_S), "the test never released the paused write"
-
-    def release(self) -> None:
-        self._go.set()
 
 
 def _served(engine: Engine, **options: object) -> ThreadedServer:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -138,7 +138,7 @@ def _decode(rid: str, slot: int, ordinal: int, pages: tuple[int, ...] = ()) -> S
 
 
 def _runs(result: pb.StepResult) -> list[tuple[str, int, int]]:
-    return [(r.request_id, r.ordinal, len(r.token_ids)) for r in result.runs]
+    return [(r.request_id, r.ordinal, len(r.token_ids)) for r in convert.result_from_proto(result).runs]
 
 
 def _state(stub: pb_grpc.ExecutorStub) -> pb.ExecutorState:
@@ -182,7 +182,7 @@ def test_input_reference_before_any_sample_is_refused(peer: Peer) -> None:
     """Fails if `if buf.pending is None: raise ProtocolError(...)` in `ModelRunner._input_run` is removed: the
     reference then reaches the model as None and fails as "internal". Checked once by removing it."""
     peer.plan(1, _new("a", 0, (0, 1), chunk=PROMPT[:4]))  # a middle chunk: nothing sampled
-    assert list(peer.result().runs) == []
+    assert _runs(peer.result()) == []
     peer.plan(2, _decode("a", 0, 0))
     err = peer.error()
     assert (err.step_id, err.code) == (2, "protocol") and "input reference before any sample" in err.message
@@ -194,7 +194,7 @@ def test_chunks_must_continue_the_prompt_and_a_decode_must_reference_its_input(p
     the pending token's KV would never be written. Fails if the continuation check in `ModelRunner._input_run` is
     removed (the replayed chunk then writes the prompt's first tokens at positions 4.. and samples; checked once)."""
     peer.plan(1, _new("a", 0, (0, 1), chunk=PROMPT[:4]))
-    assert list(peer.result().runs) == []
+    assert _runs(peer.result()) == []
     replayed = StepEntry("a", 0, 0, input_ids=PROMPT[:2], sample=True)  # positions 4-5 need PROMPT[4:6]
     peer.plan(2, replayed)
     err = peer.error()
@@ -259,7 +259,7 @@ def test_malformed_values_are_refused_before_the_model(peer: Peer) -> None:
     peer.release(0, 1)
     assert list(peer.reply().released.slots) == [0, 1]
     peer.plan(6, _new("a", 0, (0, 1)))  # the session still works
-    assert len(peer.result().runs) == 1
+    assert len(_runs(peer.result())) == 1
 
 
 def test_second_concurrent_session_is_refused(stub: pb_grpc.ExecutorStub, target: str, peer: Peer) -> None:
@@ -338,9 +338,9 @@ def test_pipelined_steps_run_back_to_back_and_answer_in_order(
     # the reference resolved to step 1's token: the same tokens as a scheduler that waits for each step
     one_by_one = Peer(stub)
     one_by_one.plan(1, _new("a", 0, (0, 1)))
-    assert list(one_by_one.result().runs[0].token_ids) == list(first.runs[0].token_ids)
+    assert list(one_by_one.result().token_ids) == list(first.token_ids)
     one_by_one.plan(2, _decode("a", 0, 0))
-    assert list(one_by_one.result().runs[0].token_ids) == list(second.runs[0].token_ids)
+    assert list(one_by_one.result().token_ids) == list(second.token_ids)
     one_by_one.close()
 
 
@@ -351,7 +351,7 @@ def test_ended_session_drops_every_buffer(stub: pb_grpc.ExecutorStub, how: str) 
     it."""
     peer = Peer(stub)
     peer.plan(1, _new("a", 0, (0, 1)), _new("b", 1, (2, 3)))
-    assert len(peer.result().runs) == 2
+    assert len(_runs(peer.result())) == 2
     assert _state(stub).buffers == 2 and _state(stub).session_open
     if how == "close":
         peer.close()
@@ -480,10 +480,37 @@ def test_unset_is_not_zero() -> None:
         params = SamplingParams(seed=seed)
         assert convert.params_from_proto(convert.params_to_proto(params)).seed == seed
     for logprobs, top in ((None, None), ((), ())):
-        run = SampledRun("r", 0, (), logprobs=logprobs, top_logprobs=top)
-        assert convert.run_from_proto(convert.run_to_proto(run)) == run
-    entry = replace(_new("a", 0, (0, 1)), new=None)
-    assert convert.entry_from_proto(convert.entry_to_proto(entry)).new is None
+        result = StepResult(1, (SampledRun("r", 0, (), logprobs=logprobs, top_logprobs=top),))
+        assert convert.result_from_proto(convert.result_to_proto(result)) == result
+    plan = StepPlan(1, (replace(_new("a", 0, (0, 1)), new=None),))
+    assert convert.plan_from_proto(convert.plan_to_proto(plan)).entries[0].new is None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda m: m.slots.append(9),
+        lambda m: m.ordinals.pop(),
+        lambda m: m.input_ids.append(3),
+        lambda m: m.page_counts.__setitem__(0, 5),
+        lambda m: m.new.add(),
+    ],
+    ids=["extra slot", "missing ordinal", "input id without a count", "page counts off", "unflagged new request"],
+)
+def test_a_plan_whose_columns_disagree_is_refused(
+    stub: pb_grpc.ExecutorStub, peer: Peer, damage: Callable[[pb.StepPlan], object]
+) -> None:
+    """The packed plan's columns must describe the same entries: any disagreement is a protocol error for that
+    step, before anything of it runs, and the session goes on. Fails if a column check in `convert.plan_from_proto`
+    is removed (zip would silently drop or misalign entries; checked once for the slots column)."""
+    msg = convert.plan_to_proto(StepPlan(1, (_new("a", 0, (0, 1)), _new("b", 1, (2, 3)))))
+    damage(msg)
+    peer.send(pb.SessionRequest(plan=msg))
+    err = peer.error()
+    assert (err.step_id, err.code) == (1, "protocol") and err.message.startswith("step message: "), err.message
+    assert _state(stub).buffers == 0
+    peer.plan(2, _new("a", 0, (0, 1)))
+    assert _runs(peer.result()) == [("a", 0, 1)]
 
 
 def test_stop_strings_stay_with_the_scheduler_and_wide_seeds_keep_their_bits() -> None:

@@ -482,5 +482,5 @@ def test_constrained_and_error_cross_the_executor_protocol() -> None:
     result = StepResult(5, runs, StepTiming(0.001, 0.002, 0.5, 0.6, 0.4))
     wire_result = executor_pb2.StepResult.FromString(executor_convert.result_to_proto(result).SerializeToString())
     assert executor_convert.result_from_proto(wire_result) == result
-    assert not executor_pb2.SampledRun().HasField("error")  # unset is not "": presence carries it
+    assert not executor_pb2.RunExtra().HasField("error")  # unset is not "": presence carries it
     assert not executor_pb2.StepTiming().HasField("masks_started")
