@@ -265,9 +265,11 @@ def test_speculation_under_grammar_gives_the_grammar_alone_output(
     draft's masks exist) and with early commit. Fails if a draft node's row is verified without its own mask (a
     token the grammar bans is accepted), if a row gets another request's or another node's mask (C3), or if the
     bonus token is left unmasked: the constrained outputs then differ (or break the grammar, ending in an abort).
-    Drafted under the grammar (a mask per draft depth, fetched through the same fence), the output is the same too,
-    and the draft model's constrained drafts are accepted more often than unmasked (none is wasted on a token the
-    grammar bans)."""
+    Drafted under the grammar (``draft_grammar``: a mask per draft depth, through the same fence) the output is the
+    same too; that option fails here if the runner names another ordinal for the draft's masks than for the
+    verify's (checked with ``num_output - 1``: every draft mask is refused and no constrained request drafts).
+    (Drafted under the grammar, far fewer constrained drafts are wasted: 60 of 64 accepted against 20 of 204 for
+    the chain here; printed, not asserted.)"""
     spec = CONSTRAINED_CONFIGS[name]
     if spec.algorithm is SpecAlgorithm.DRAFT:
         spec = replace(spec, draft_model_path=str(noisy_draft))
