@@ -181,15 +181,15 @@ class DraftModelProposer:
 
     def _start_masks(self, live: list[_Growing]) -> tuple[list[int], PendingDraftMasks | None]:
         """This depth's masks for the constrained requests of ``live`` (their indices), asked before the forward."""
+        if self._masks is None:
+            return [], None
         asking: list[int] = []
         positions: list[tuple[DraftGrammar, list[int]]] = []
         for i, g in enumerate(live):
             if g.request.grammar is not None:
                 asking.append(i)
                 positions.append((g.request.grammar, g.spine_tokens()))
-        if self._masks is None or not asking:
-            return [], None
-        return asking, self._masks.start(positions)
+        return (asking, self._masks.start(positions)) if asking else ([], None)
 
     def _take_masks(
         self, live: list[_Growing], asking: list[int], pending: PendingDraftMasks | None
@@ -252,7 +252,7 @@ class DraftModelProposer:
             generators = [self._slots[live[i].request.slot].generator for i in sampled]
             noise = torch.stack([self._sampler.noise(gen) for gen in generators if gen is not None])  # [S, V]
             spine[rows] = race(probs, noise)
-        ranked = self._ranked(raw, max(g.request.topk for g in live))
+        ranked = self._ranked(raw, max(g.request.topk for g in live), bitmask is not None)
         spine_ids = spine.tolist()
         row_of = {i: k for k, i in enumerate(sampled)}
         for i, g in enumerate(live):
@@ -263,12 +263,14 @@ class DraftModelProposer:
                 q_row = probs[row_of[i]]
             self._grow(g, spine_ids[i], q_row, ranked[i] if ranked is not None else ())
 
-    def _ranked(self, x: torch.Tensor, width: int) -> list[list[int]] | None:
-        """Per row of ``x`` [B, V] its ``width + 1`` most likely tokens, best first, without banned ones (-inf);
-        None for chains (no siblings are drafted)."""
+    def _ranked(self, x: torch.Tensor, width: int, masked: bool) -> list[list[int]] | None:
+        """Per row of ``x`` [B, V] its ``width + 1`` most likely tokens, best first, without banned ones (-inf) when
+        ``masked``; None for chains (no siblings are drafted)."""
         if width <= 1:
             return None
         top = x.topk(min(width + 1, self._vocab_size), dim=-1)  # [B, w+1]
+        if not masked:
+            return top.indices.tolist()
         allowed = (top.values > float("-inf")).tolist()
         return [
             [t for t, ok in zip(ids, oks, strict=True) if ok]
