@@ -63,7 +63,10 @@ class SpeculativeConfig:
     ``num_draft_tokens - 1`` draft nodes, in a tree at most ``num_steps`` deep with at most ``topk`` children per
     node (``topk`` 1: a chain). ``draft_model_path`` (algorithm DRAFT): the draft checkpoint; None with the
     embedded target serves the embedded draft. ``adaptive``: the scheduler turns speculation down per request and
-    per batch when it does not pay (engine/scheduler/spec_policy.py)."""
+    per batch when it does not pay (engine/scheduler/spec_policy.py). ``draft_grammar`` (algorithm DRAFT): the draft
+    model drafts each constrained request under its grammar, a fenced mask per draft depth (one grammar round trip
+    per depth, and in delayed-verify mode the first depth waits at the fence for the previous step's commit); off,
+    it drafts unmasked and only the verify is masked. Either way the output is the same (the verify is lossless)."""
 
     algorithm: SpecAlgorithm = SpecAlgorithm.NONE
     draft_model_path: str | None = None
@@ -71,6 +74,7 @@ class SpeculativeConfig:
     topk: int = 1
     num_draft_tokens: int = 0  # 0: num_steps + 1 for a chain, num_steps * topk + 1 for a tree (capped below)
     adaptive: bool = True
+    draft_grammar: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "topk"):

@@ -141,11 +141,11 @@ def add_engine_tuning_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-running", type=int, default=defaults.max_running, help="requests admitted at once")
     sched.add_argument("--chunk-size", type=int, default=defaults.chunk_size, help="max prefill tokens per step")
     sched.add_argument("--no-overlap", action="store_true", help="commit step N before launching N+1")
-    sched.add_argument(
+    add_switch(
+        sched,
         "--grammar-overlap",
-        choices=["on", "off"],
-        default="on" if defaults.grammar_overlap else "off",
-        help="on: constrained requests stay overlapped (the executor waits for each step's fenced grammar masks "
+        defaults.grammar_overlap,
+        "on: constrained requests stay overlapped (the executor waits for each step's fenced grammar masks "
         "while the forward runs); off: the scheduler commits before launching a constrained step and the executor "
         "never waits (executor and scheduler must agree)",
     )
@@ -206,6 +206,11 @@ def kernel_config(args: argparse.Namespace) -> tuple[AttentionBackendKind, CudaG
     return AttentionBackendKind(args.attention_backend), graphs
 
 
+def add_switch(group: argparse._ArgumentGroup, flag: str, default: bool, text: str) -> None:
+    """An ``on|off`` flag (parsed as the string; compare with "on") defaulting to ``default``."""
+    group.add_argument(flag, choices=["on", "off"], default="on" if default else "off", help=text)
+
+
 SPEC_ALGORITHMS = ("draft", "ngram")  # engine.config.SpecAlgorithm's values but none (no engine import)
 
 
@@ -242,11 +247,20 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         help="tokens verified per request and step, the pending one included (default: num_steps + 1 for a chain, "
         "num_steps * topk + 1 for a tree)",
     )
-    spec.add_argument(
+    add_switch(
+        spec,
         "--speculative-adaptive",
-        choices=["on", "off"],
-        default="on" if defaults.adaptive else "off",
-        help="on: turn speculation down per request and per batch when it does not pay; off: always draft",
+        defaults.adaptive,
+        "on: turn speculation down per request and per batch when it does not pay; off: always draft",
+    )
+    add_switch(
+        spec,
+        "--speculative-draft-grammar",
+        defaults.draft_grammar,
+        "on: the draft model drafts each constrained request under its grammar (a grammar mask per draft depth: "
+        "fewer wasted drafts, one grammar round trip per depth, and with --grammar-overlap on the first depth waits "
+        "for the previous step's commit); off: it drafts unmasked and only the verify is masked. The output is the "
+        "same either way",
     )
 
 
@@ -262,6 +276,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
             topk=args.speculative_eagle_topk,
             num_draft_tokens=args.speculative_num_draft_tokens or 0,
             adaptive=args.speculative_adaptive == "on",
+            draft_grammar=args.speculative_draft_grammar == "on",
         )
     except ValueError as error:
         raise SystemExit(f"ordinal: {error}") from error
@@ -320,6 +335,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--speculative-num-steps", str(args.speculative_num_steps)]
         argv += ["--speculative-eagle-topk", str(args.speculative_eagle_topk)]
         argv += ["--speculative-adaptive", args.speculative_adaptive]
+        argv += ["--speculative-draft-grammar", args.speculative_draft_grammar]
         if args.speculative_draft_model_path:
             argv += ["--speculative-draft-model-path", args.speculative_draft_model_path]
         if args.speculative_num_draft_tokens:

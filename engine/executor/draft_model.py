@@ -13,6 +13,16 @@ next most likely tokens as siblings of it, leaves in the verify tree. A greedy o
 draft's argmax: the verify then reproduces plain decoding exactly (engine/executor/verify.py). Any other sampled
 request's spine is drawn from the draft's own distribution (after the request's temperature, top-k, top-p,
 min-p), which is returned as ``q`` for the rejection rule; siblings are chosen deterministically (one-hot ``q``).
+
+Under the grammar (``--speculative-draft-grammar on``, a :class:`~engine.executor.masks.DraftMasks` given): each
+constrained request's row is masked at every depth with its grammar's mask for the state after its committed
+tokens, its pending token and the spine so far, fetched while that depth's forward runs. The spine and the siblings
+are then chosen from the masked row, and a sampled spine's ``q`` is the masked, renormalised distribution, the one
+its token was really drawn from, so the rejection rule stays lossless w.r.t. the constrained target. A depth whose
+mask allows nothing (the grammar refuses the prefix or has ended) ends the draft there; a request whose mask could
+not be had drafts nothing this step (its verify runs plain, still masked): a constrained request is never drafted
+unmasked. Off (the default), the draft drafts unmasked and only the verify is masked: lossless too, since ``q`` is
+what each token was drawn from, but drafts past the grammar's first refusal are wasted.
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.executor.proposer import NO_DRAFT, Draft, DraftRequest
+from engine.executor.masks import ALL_ALLOWED, DraftMasks, PendingDraftMasks
+from engine.executor.proposer import NO_DRAFT, Draft, DraftGrammar, DraftRequest
 from engine.executor.sampler import Sampler, race
 from engine.grammar_calls import DraftTree
 from engine.kv.pool import KVPool
@@ -58,8 +69,19 @@ class _Growing:
     q_rows: list[torch.Tensor | int] = field(default_factory=list)  # a distribution [V], or a one-hot token
     spine: list[int] = field(default_factory=list)  # node index of the spine token at each depth
     siblings_left: int = 0
+    ended: bool = False  # a depth's mask allowed nothing: the draft ends before it
+    unmasked: bool = False  # its grammar's mask could not be had: no draft this step
+
+    @property
+    def growing(self) -> bool:
+        return not (self.ended or self.unmasked) and len(self.spine) < self.depth
+
+    def spine_tokens(self) -> list[int]:
+        return [self.tokens[node] for node in self.spine]
 
     def draft(self, vocab_size: int, device: torch.device) -> Draft:
+        if self.unmasked or not self.tokens:
+            return NO_DRAFT
         tree = DraftTree(tuple(self.tokens), tuple(self.parents))
         if not self.sampled:
             return Draft(tree)
@@ -73,10 +95,14 @@ class _Growing:
 
 
 class DraftModelProposer:
-    """Drafts with a small model over its own paged KV pool (same page ids as the target's)."""
+    """Drafts with a small model over its own paged KV pool (same page ids as the target's); with ``masks``, drafts
+    constrained requests under their grammars."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVPool, vocab_size: int, max_context: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv: KVPool, vocab_size: int, max_context: int, masks: DraftMasks | None = None
+    ) -> None:
         self._model = model
+        self._masks = masks
         self._kv = kv
         self._vocab_size = vocab_size
         self._max_context = max_context
@@ -85,7 +111,9 @@ class DraftModelProposer:
         self._slots: dict[int, _SlotDraft] = {}
 
     @classmethod
-    def load(cls, path: Path, config: EngineConfig, info: ModelInfo) -> DraftModelProposer:
+    def load(
+        cls, path: Path, config: EngineConfig, info: ModelInfo, masks: DraftMasks | None = None
+    ) -> DraftModelProposer:
         device = torch.device(config.device)
         model, model_config = load_model(path, config.torch_dtype, device)
         if model_config.vocab_size != info.vocab_size:
@@ -102,7 +130,7 @@ class DraftModelProposer:
             config.torch_dtype,
             device,
         )
-        return cls(model, kv, info.vocab_size, model_config.max_position_embeddings)
+        return cls(model, kv, info.vocab_size, model_config.max_position_embeddings, masks)
 
     # ------------------------------------------------------------ Proposer
 
@@ -136,13 +164,47 @@ class DraftModelProposer:
     def _draft(self, live: list[_Growing]) -> None:
         seqs = [self._catch_up(g.request) for g in live]
         for d in range(1, max(g.depth for g in live) + 1):
-            logits = self._model(ForwardBatch.build(seqs, self._kv.page_size, self._device), self._kv)  # [B, V]
-            self._choose(live, logits)
-            still = [g for g in live if len(g.spine) < g.depth]
+            asking, pending = self._start_masks(live)
+            try:
+                logits = self._model(ForwardBatch.build(seqs, self._kv.page_size, self._device), self._kv)  # [B, V]
+            except BaseException:
+                if pending is not None:
+                    pending.close()  # an open fence would be filled by later commits into a buffer nobody reads
+                raise
+            bitmask = self._take_masks(live, asking, pending)
+            self._choose(live, logits, bitmask)
+            still = [g for g in live if g.growing]
             if not still:
                 return
             seqs = [self._feed(g, d) for g in still]
             live = still
+
+    def _start_masks(self, live: list[_Growing]) -> tuple[list[int], PendingDraftMasks | None]:
+        """This depth's masks for the constrained requests of ``live`` (their indices), asked before the forward."""
+        if self._masks is None:
+            return [], None
+        asking: list[int] = []
+        positions: list[tuple[DraftGrammar, list[int]]] = []
+        for i, g in enumerate(live):
+            if g.request.grammar is not None:
+                asking.append(i)
+                positions.append((g.request.grammar, g.spine_tokens()))
+        return (asking, self._masks.start(positions)) if asking else ([], None)
+
+    def _take_masks(
+        self, live: list[_Growing], asking: list[int], pending: PendingDraftMasks | None
+    ) -> torch.Tensor | None:
+        """The depth's bitmask [B, W] over ``live`` (rows of unconstrained requests allow everything); a request whose
+        mask could not be had is marked to draft nothing."""
+        if pending is None:
+            return None
+        rows, answered = pending.result(self._device)  # [P, W]
+        assert rows is not None
+        for i, ok in zip(asking, answered, strict=True):
+            live[i].unmasked = live[i].unmasked or not ok
+        bitmask = torch.full((len(live), rows.shape[1]), ALL_ALLOWED, dtype=torch.int32, device=rows.device)  # [B, W]
+        bitmask[torch.tensor(asking, dtype=torch.long, device=rows.device)] = rows
+        return bitmask
 
     def _catch_up(self, r: DraftRequest) -> SeqInput:
         """The first forward's run for ``r``: from the first position whose draft KV is not the request's token,
@@ -168,10 +230,20 @@ class DraftModelProposer:
         state.fed.append(token)  # speculative: the next propose keeps it only if the verify accepted it
         return SeqInput((token,), g.request.seq_len + depth, g.request.pages, LogitsMode.LAST)
 
-    def _choose(self, live: list[_Growing], logits: torch.Tensor) -> None:
+    def _choose(self, live: list[_Growing], logits: torch.Tensor, bitmask: torch.Tensor | None) -> None:
         raw = logits[:, : self._vocab_size].float()  # [B, V]
-        spine = raw.max(dim=-1).indices  # [B]
-        sampled = [i for i, g in enumerate(live) if g.sampled]
+        if bitmask is not None:
+            raw = raw.clone(memory_format=torch.contiguous_format)  # [B, V]
+            self._sampler.apply_bitmask(raw, bitmask)  # banned tokens -inf: never a spine, a sibling or mass in q
+        best = raw.max(dim=-1)
+        spine = best.indices  # [B]
+        # A row whose mask allows nothing (the grammar refuses the prefix or has ended) ends that draft: no node is
+        # drafted from it. Unmasked rows always have a finite maximum.
+        open_rows = (best.values > float("-inf")).tolist() if bitmask is not None else [True] * len(live)
+        for g, is_open in zip(live, open_rows, strict=True):
+            g.ended = g.ended or not is_open
+        drafting = [g.growing for g in live]
+        sampled = [i for i, g in enumerate(live) if g.sampled and drafting[i]]
         probs: torch.Tensor | None = None
         if sampled:
             rows = torch.tensor(sampled, dtype=torch.long, device=raw.device)  # [S]
@@ -180,15 +252,30 @@ class DraftModelProposer:
             generators = [self._slots[live[i].request.slot].generator for i in sampled]
             noise = torch.stack([self._sampler.noise(gen) for gen in generators if gen is not None])  # [S, V]
             spine[rows] = race(probs, noise)
-        width = max(g.request.topk for g in live)
-        ranked = raw.topk(min(width + 1, self._vocab_size), dim=-1).indices.tolist() if width > 1 else None  # [B, w+1]
+        ranked = self._ranked(raw, max(g.request.topk for g in live), bitmask is not None)
         spine_ids = spine.tolist()
         row_of = {i: k for k, i in enumerate(sampled)}
         for i, g in enumerate(live):
+            if not drafting[i]:
+                continue
             q_row: torch.Tensor | int = spine_ids[i]
             if probs is not None and i in row_of:
                 q_row = probs[row_of[i]]
             self._grow(g, spine_ids[i], q_row, ranked[i] if ranked is not None else ())
+
+    def _ranked(self, x: torch.Tensor, width: int, masked: bool) -> list[list[int]] | None:
+        """Per row of ``x`` [B, V] its ``width + 1`` most likely tokens, best first, without banned ones (-inf) when
+        ``masked``; None for chains (no siblings are drafted)."""
+        if width <= 1:
+            return None
+        top = x.topk(min(width + 1, self._vocab_size), dim=-1)  # [B, w+1]
+        if not masked:
+            return top.indices.tolist()
+        allowed = (top.values > float("-inf")).tolist()
+        return [
+            [t for t, ok in zip(ids, oks, strict=True) if ok]
+            for ids, oks in zip(top.indices.tolist(), allowed, strict=True)
+        ]
 
     @staticmethod
     def _grow(g: _Growing, token: int, q_row: torch.Tensor | int, ranked: Sequence[int]) -> None:

@@ -4,6 +4,9 @@ The fetch starts before the forward, so waiting at the grammar fence for the sch
 step overlaps the forward; only sampling waits for the masks ("delayed sampling"). With delayed sampling an
 in-process grammar opens the fence right away and the commit fills it (:class:`~engine.grammar.backend.FencingBackend`);
 otherwise the blocking call runs on a thread of its own.
+
+A draft model drafting under the grammar (``--speculative-draft-grammar on``) gets its masks the same way, one
+fetch per draft depth (:class:`DraftMasks`), each started before that depth's draft forward.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.executor.proposer import DraftGrammar
 from engine.grammar_calls import DraftTree, FencingBackend, GrammarBackend, MaskEntry, MaskRefusals, MaskWait
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
@@ -126,3 +130,48 @@ class MaskFetcher:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class DraftMasks:
+    """The masks a draft model drafts constrained requests under: one batched fenced call per draft depth (C3).
+
+    For each request: the mask of its grammar's state after the committed tokens, the pending token and the draft
+    tokens chosen so far (``spine``), asked at the request's ordinal with the spine as a chain draft and read from
+    the chain's last row. The grammar service computes it by pure traversal from the committed state, which it
+    leaves as it was (C5): drafting never commits anything."""
+
+    def __init__(self, fetcher: MaskFetcher) -> None:
+        self._fetcher = fetcher
+
+    def start(self, positions: Sequence[tuple[DraftGrammar, Sequence[int]]]) -> PendingDraftMasks:
+        """Ask for one row per (grammar, spine) now; the draft forward runs while it is answered."""
+        requests: list[MaskRequest] = []
+        first = 0
+        for grammar, spine in positions:
+            draft = DraftTree.chain(spine) if spine else None
+            requests.append(MaskRequest(first, grammar.request_id, grammar.ordinal, draft))
+            first += 1 + len(spine)
+        return PendingDraftMasks(self._fetcher.start(requests, first), requests)
+
+
+class PendingDraftMasks:
+    """One depth's draft masks being answered."""
+
+    def __init__(self, pending: PendingMasks | None, requests: list[MaskRequest]) -> None:
+        self._pending = pending
+        self._requests = requests
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.close()
+
+    def result(self, device: torch.device) -> tuple[torch.Tensor | None, list[bool]]:
+        """Each position's mask row [P, W] (None: nothing was asked) and whether it was had: a position whose mask
+        was refused, or whose call failed, must not be drafted from (its row then allows everything)."""
+        if self._pending is None:
+            return None, []
+        masks = self._pending.result(device)
+        assert masks.bitmask is not None
+        last = [r.row + (r.draft.num_rows - 1 if r.draft is not None else 0) for r in self._requests]
+        rows = masks.bitmask.index_select(0, torch.tensor(last, dtype=torch.long, device=masks.bitmask.device))
+        return rows, [r.row not in masks.errors for r in self._requests]  # [P, W]

@@ -23,6 +23,17 @@ from engine.grammar_calls import DraftTree
 
 
 @dataclass(frozen=True)
+class DraftGrammar:
+    """Where a constrained request's grammar is for its draft: the request id it is open under and ``ordinal``, the
+    ordinal of the token the pending token's logits row samples (as :class:`~engine.executor.masks.MaskRequest`
+    names it). A proposer that drafts under the grammar asks for masks from that state (fenced, C3) with its draft
+    so far as the path (pure traversal, C5); it never commits."""
+
+    request_id: str
+    ordinal: int
+
+
+@dataclass(frozen=True)
 class DraftRequest:
     """One request asking for a draft.
 
@@ -30,7 +41,9 @@ class DraftRequest:
     its KV not written yet); the runner passes its own growing list, so a proposer reads it and never keeps or
     changes it. ``seq_len`` positions of the target's KV hold ``tokens[:seq_len]`` (so ``seq_len == len(tokens) -
     1``), in ``pages``. The draft may have at most ``max_nodes`` nodes, none deeper than ``max_depth`` (a node
-    following the pending token directly has depth 1), and at most ``topk`` children per node (1: a chain)."""
+    following the pending token directly has depth 1), and at most ``topk`` children per node (1: a chain).
+    ``grammar``: set for a constrained request (None: unconstrained); a proposer may ignore it, the verify masks
+    every node anyway."""
 
     slot: int
     tokens: Sequence[int]
@@ -40,6 +53,11 @@ class DraftRequest:
     max_depth: int
     topk: int
     sampling: SamplingState
+    grammar: DraftGrammar | None = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
 
 
 @dataclass(frozen=True)

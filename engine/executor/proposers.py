@@ -8,19 +8,24 @@ import torch
 
 from engine.config import EngineConfig, SpecAlgorithm
 from engine.executor.draft_model import DraftModelProposer
+from engine.executor.masks import DraftMasks
 from engine.executor.ngram import NgramConfig, NgramProposer
 from engine.executor.proposer import Proposer
 from engine.model.embedded import EmbeddedSpec, ensure_embedded_draft_model
 from engine.model_info import ModelInfo
 
 
-def load_proposer(config: EngineConfig, info: ModelInfo, device: torch.device) -> Proposer | None:
-    """The proposer ``config.speculative`` names (None when speculation is off); a draft model is loaded here."""
+def load_proposer(
+    config: EngineConfig, info: ModelInfo, device: torch.device, masks: DraftMasks | None = None
+) -> Proposer | None:
+    """The proposer ``config.speculative`` names (None when speculation is off); a draft model is loaded here.
+    ``masks``: where a draft model gets the grammar masks it drafts constrained requests under (None: it drafts them
+    unmasked); the n-gram proposer's drafts are lookups, which only the verify masks."""
     spec = config.speculative
     if spec.algorithm is SpecAlgorithm.NONE:
         return None
     if spec.algorithm is SpecAlgorithm.DRAFT:
-        return DraftModelProposer.load(draft_dir(config), config, info)
+        return DraftModelProposer.load(draft_dir(config), config, info, masks)
     return NgramProposer(NgramConfig())
 
 

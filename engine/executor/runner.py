@@ -19,8 +19,8 @@ import torch
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.errors import ProtocolError
-from engine.executor.masks import MaskFetcher, MaskRequest, PendingMasks, StepMasks
-from engine.executor.proposer import NO_DRAFT, Draft, DraftRequest, Proposer
+from engine.executor.masks import DraftMasks, MaskFetcher, MaskRequest, PendingMasks, StepMasks
+from engine.executor.proposer import NO_DRAFT, Draft, DraftGrammar, DraftRequest, Proposer
 from engine.executor.proposers import load_proposer
 from engine.executor.sampler import Sampler, SamplingState
 from engine.executor.verify import Verdict, Verifier, VerifyItem
@@ -149,7 +149,8 @@ class ModelRunner:
             scratch_page=use_graphs,
         )
         masks = MaskFetcher(grammar, info.vocab_size, config.mask_wait_s) if grammar is not None else None
-        proposer = load_proposer(config, info, device)
+        draft_masks = DraftMasks(masks) if masks is not None and config.speculative.draft_grammar else None
+        proposer = load_proposer(config, info, device, draft_masks)
         widest = -(-info.max_context // config.page_size)
         capture = graph_mode is GraphMode.CAPTURE
         graphs = DecodeGraphs(model, kv, config.cuda_graph, widest, capture) if use_graphs else None
@@ -333,9 +334,13 @@ class ModelRunner:
         return StepDrafts(drafts, time.perf_counter() - started, any(d.num_nodes for d in drafts))
 
     def _draft_request(self, r: ResolvedEntry) -> DraftRequest:
+        """A constrained entry's request names its grammar at the ordinal its verify masks are asked at (C3)."""
         buf, nodes = r.buffer, r.entry.num_draft
         depth = min(self._spec.num_steps, nodes)
-        return DraftRequest(r.entry.slot, buf.tokens, buf.seq_len, r.pages, nodes, depth, self._spec.topk, buf.sampling)
+        grammar = DraftGrammar(r.entry.request_id, buf.sampling.num_output) if r.entry.constrained else None
+        return DraftRequest(
+            r.entry.slot, buf.tokens, buf.seq_len, r.pages, nodes, depth, self._spec.topk, buf.sampling, grammar
+        )
 
     def _start_masks(
         self, sampling: list[ResolvedEntry], drafts: list[Draft], first_row: list[int]

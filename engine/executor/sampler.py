@@ -224,7 +224,7 @@ class Sampler:
         x = raw[:, : self.vocab_size].float().clone()  # [B, V]; raw may be a view of the runner's logits
         self._apply_bias(x, states)
         if bitmask is not None:
-            self._apply_bitmask(x, bitmask)
+            self.apply_bitmask(x, bitmask)
         self._apply_min_new(x, states, ahead)
         self._apply_penalties(x, states, ahead)
         return x
@@ -239,7 +239,7 @@ class Sampler:
         values = torch.cat([values for _, values in biases])  # [N]
         x.index_put_((row_idx, ids), values, accumulate=True)
 
-    def _apply_bitmask(self, x: torch.Tensor, bitmask: torch.Tensor) -> None:
+    def apply_bitmask(self, x: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Disallowed tokens of ``x`` [B, V] become -inf, the others stay as they are (for any logits but NaN).
 
         On CPU one native call does it, without the GIL: about 30 us for 32 rows of 2048 tokens against 90 us for the

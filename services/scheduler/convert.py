@@ -418,6 +418,7 @@ def _speculative_args(spec: SpeculativeConfig) -> dict[str, object]:
         "speculative_num_steps": spec.num_steps,
         "speculative_eagle_topk": spec.topk,
         "speculative_num_draft_tokens": spec.draft_nodes + 1,
+        "speculative_draft_grammar": spec.draft_grammar,  # ordinal's own: the draft model drafts under the grammar
     }
 
 

@@ -33,7 +33,7 @@ import xgrammar as xgr
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpecAlgorithm, SpeculativeConfig
 from engine.constraint import Constraint, ConstraintKind
 from engine.executor.runner import ModelRunner
 from engine.finish import AbortCause
@@ -398,6 +398,39 @@ async def test_grammar_overlap_on_and_off_give_identical_outputs(
         field = req.sampling_params.WhichOneof("constraint")
         if field is not None:
             assert grammar_accepts(config, field, getattr(req.sampling_params, field), out_ids, finish == "stop")
+
+
+@pytest.mark.asyncio
+async def test_the_draft_model_drafting_under_the_grammar_over_grpc_gives_the_grammar_alone_output(
+    config: EngineConfig, grammar: str, tokenizer: Tokenizer
+) -> None:
+    """``--speculative-draft-grammar on`` through the split services: the executor's draft model (the target as its
+    own draft) gets a fenced mask per draft depth from the grammar service over gRPC, in delayed-verify mode (the
+    first depth waits at the fence for the scheduler's commit, which comes over another connection). The mixed
+    batch finishes; its greedy requests give the tokens of the grammar alone, the sampled ones (rejection rule
+    against a masked q) follow their grammar; every matcher is released. Drafting under the grammar with the target
+    as draft, every draft token is kept (the masked draft is the masked target). Fails if the option does not reach
+    the executor's draft model (unmasked, the self-draft proposes tokens the grammar refuses: 466 of 651 kept on
+    this batch), if the draft's fence wait blocked the commit it waits for (the batch times out), or if a draft
+    mask call committed (the grammar would refuse the verified tokens and abort requests)."""
+    requests = mixed_batch(tokenizer)
+    spec = SpeculativeConfig(
+        SpecAlgorithm.DRAFT, draft_model_path=config.model_path, num_steps=3, adaptive=False, draft_grammar=True
+    )
+    outputs = {}
+    for label, speculative in (("plain", SpeculativeConfig()), ("spec", spec)):
+        with split_stack(replace(config, speculative=speculative), grammar) as stack:
+            outputs[label] = await run_in_submit_order(stack.target, requests)
+            assert_drained(stack)
+            counts = stack.engine.stats().spec
+    greedy = [i for i, r in enumerate(requests) if r.sampling_params.temperature == 0.0]
+    assert [outputs["spec"][i] for i in greedy] == [outputs["plain"][i] for i in greedy]
+    assert all(isinstance(r, tuple) and r[0] in ("stop", "length") for r in outputs["spec"]), outputs["spec"]
+    for req, (finish, out_ids, _) in zip(requests, outputs["spec"], strict=True):
+        field = req.sampling_params.WhichOneof("constraint")
+        if field is not None:
+            assert grammar_accepts(config, field, getattr(req.sampling_params, field), out_ids, finish == "stop")
+    assert counts.draft_tokens > 0 and counts.accepted_tokens == counts.draft_tokens
 
 
 def grammar_accepts(config: EngineConfig, field: str, text: str, ids: list[int], terminated: bool) -> bool:

@@ -217,6 +217,9 @@ CONSTRAINED_CONFIGS = {
     "ngram tree": CONFIGS["ngram tree"],
     "draft chain": CONFIGS["draft chain"],
     "draft tree": CONFIGS["draft tree"],
+    # --speculative-draft-grammar on: the draft model drafts under each constrained request's grammar.
+    "draft chain, drafted under grammar": replace(CONFIGS["draft chain"], draft_grammar=True),
+    "draft tree, drafted under grammar": replace(CONFIGS["draft tree"], draft_grammar=True),
 }
 
 
@@ -261,7 +264,12 @@ def test_speculation_under_grammar_gives_the_grammar_alone_output(
     equals its output with grammar and without speculation, with delayed verify (C4: the forward runs before the
     draft's masks exist) and with early commit. Fails if a draft node's row is verified without its own mask (a
     token the grammar bans is accepted), if a row gets another request's or another node's mask (C3), or if the
-    bonus token is left unmasked: the constrained outputs then differ (or break the grammar, ending in an abort)."""
+    bonus token is left unmasked: the constrained outputs then differ (or break the grammar, ending in an abort).
+    Drafted under the grammar (``draft_grammar``: a mask per draft depth, through the same fence) the output is the
+    same too; that option fails here if the runner names another ordinal for the draft's masks than for the
+    verify's (checked with ``num_output - 1``: every draft mask is refused and no constrained request drafts).
+    (Drafted under the grammar, far fewer constrained drafts are wasted: 60 of 64 accepted against 20 of 204 for
+    the chain here; printed, not asserted.)"""
     spec = CONSTRAINED_CONFIGS[name]
     if spec.algorithm is SpecAlgorithm.DRAFT:
         spec = replace(spec, draft_model_path=str(noisy_draft))
@@ -271,6 +279,9 @@ def test_speculation_under_grammar_gives_the_grammar_alone_output(
     assert sum(o.spec_draft_tokens for o in constrained) > 0
     assert sum(o.spec_accepted_tokens for o in constrained) > 0  # drafts accepted under the grammar
     assert all(o.finish is not None and o.finish.reason is not FinishReason.ABORT for o in outs)
+    drafted = sum(o.spec_draft_tokens for o in constrained)
+    accepted = sum(o.spec_accepted_tokens for o in constrained)
+    print(name, grammar_overlap, "constrained: drafted", drafted, "accepted", accepted)
 
 
 BOUNDARY_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

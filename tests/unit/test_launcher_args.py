@@ -22,7 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpecAlgorithm, SpeculativeConfig
 from services.flags import (
     DEFAULT_JSON_WHITESPACE,
     DEFAULT_METRICS_PORT,
@@ -99,6 +99,20 @@ def test_engine_argv_round_trips_every_engine_flag() -> None:
         grammar_overlap=False,
         outage_timeout_s=7.5,
     )
+
+
+def test_speculative_flags_round_trip_the_draft_grammar_option_included() -> None:
+    """The speculative flags reach the services as given: ``--speculative-draft-grammar on`` (off by default) too,
+    which the executor needs (its draft model drafts under the grammar) and the scheduler reports."""
+    parser = _engine_parser()
+    assert engine_config(parser.parse_args([])).speculative.draft_grammar is False
+    flags = ["--model", "/m", "--speculative-algorithm", "draft", "--speculative-draft-model-path", "/d"]
+    flags += ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-adaptive", "off"]
+    flags += ["--speculative-draft-grammar", "on"]
+    args = parser.parse_args(flags)
+    again = parser.parse_args(["--model", "/m", *engine_argv(args)])
+    want = SpeculativeConfig(SpecAlgorithm.DRAFT, "/d", num_steps=3, topk=2, adaptive=False, draft_grammar=True)
+    assert engine_config(args).speculative == engine_config(again).speculative == want
 
 
 def test_grammar_overlap_sets_the_mask_wait() -> None:

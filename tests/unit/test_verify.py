@@ -106,6 +106,28 @@ def _tree_fixed(gen: torch.Generator, sampler: Sampler, state: SamplingState) ->
     return DraftTree((a, b, int(DRAFT_DEPTH1[a].argmax()), int(DRAFT_DEPTH1[b].argmax())), (-1, -1, 0, 1)), None
 
 
+GRAMMAR_BANNED = (0, 3)  # the root's two most likely tokens: what a grammar mask bans at every row below
+
+
+def _masked(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` [V] with the grammar's banned tokens at -inf, as the mask applies before temperature and top-p."""
+    out = logits.clone()
+    out[list(GRAMMAR_BANNED)] = float("-inf")
+    return out
+
+
+def _chain2_under_mask(
+    gen: torch.Generator, sampler: Sampler, state: SamplingState
+) -> tuple[DraftTree, torch.Tensor | None]:
+    """The draft model drafting under the grammar (``--speculative-draft-grammar on``): each token drawn from the
+    draft's distribution masked by the row's grammar mask and renormalised, which is then its ``q``."""
+    q0 = _target(sampler, state, _masked(DRAFT_ROOT))
+    d1 = _sample(q0, gen)
+    q1 = _target(sampler, state, _masked(DRAFT_DEPTH1[d1]))
+    d2 = _sample(q1, gen)
+    return DraftTree((d1, d2), (-1, 0)), torch.stack((q0, q1))
+
+
 DRAFTERS: dict[str, Drafter] = {
     "chain, sampled": _chain2,
     "tree, independent siblings": _tree_iid,
@@ -224,6 +246,27 @@ def test_under_a_grammar_mask_the_emitted_tokens_follow_the_masked_target(drafte
     p = _target(sampler, state, ROOT)
     p[list(banned)] = 0.0
     assert _chi2_pvalue(Counter(v.token_ids[0] for v in verdicts), p / p.sum()) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("params_name", sorted(PARAMS))
+def test_a_draft_sampled_under_the_mask_stays_lossless(params_name: str) -> None:
+    """The draft model drafting under the grammar: q is the masked, renormalised draft distribution (zero on what the
+    grammar bans), p the masked target; the rule min(1, p/q) and the residual max(p - q, 0) then give the masked
+    target, first position and after a kept token. Fails if the draft under the mask reported its unmasked q (the
+    acceptance ratio p/q is then off wherever the mask moved mass, and the first position no longer follows p)."""
+    params = PARAMS[params_name]
+    verdicts, _ = _run_trials(params, _chain2_under_mask, GRAMMAR_BANNED)
+    assert not any(t in GRAMMAR_BANNED for v in verdicts for t in v.token_ids)
+    sampler, state = Sampler(V, "cpu"), _state(params, 0)
+    first = Counter(v.token_ids[0] for v in verdicts)
+    assert _chi2_pvalue(first, _target(sampler, state, _masked(ROOT))) > SIGNIFICANCE, first
+    assert _chi2_pvalue(first, _target(sampler, state, _masked(DRAFT_ROOT))) < 1e-6  # the counts can tell p from q
+    kept = Counter(v.token_ids[0] for v in verdicts if len(v.token_ids) > 1)
+    t = kept.most_common(1)[0][0]
+    second = Counter(v.token_ids[1] for v in verdicts if len(v.token_ids) > 1 and v.token_ids[0] == t)
+    assert sum(second.values()) > 300
+    want = _target(sampler, state, _masked(DEPTH1[t]))
+    assert _chi2_pvalue(second, want) > SIGNIFICANCE, (t, second)
 
 
 def test_greedy_under_a_mask_takes_the_best_allowed_token() -> None:
