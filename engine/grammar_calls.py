@@ -85,6 +85,25 @@ class Refusal(enum.Enum):
     UNAVAILABLE = "unavailable"
 
 
+MASKS_UNAVAILABLE = "grammar masks unavailable"  # how a row's error begins when the service could not be asked
+
+
+def masks_unavailable(reason: str) -> str:
+    """A sampling row's error when its fenced masks could not be had from the service at all (not a refusal)."""
+    return f"{MASKS_UNAVAILABLE}: {reason}"
+
+
+def mask_refused(code: Refusal, message: str) -> str:
+    """A sampling row's error when the service refused its mask request."""
+    return f"grammar mask refused ({code.value}): {message}"
+
+
+def is_service_unavailable(row_error: str) -> bool:
+    """Whether a sampling row's error says the grammar service, not the request's grammar, failed: the request then
+    ends UNAVAILABLE (worth retrying), as when the scheduler finds its grammar session lost."""
+    return row_error.startswith((MASKS_UNAVAILABLE, f"grammar mask refused ({Refusal.UNAVAILABLE.value})"))
+
+
 class GrammarProtocolError(ProtocolError):
     """A grammar call broke the protocol; ``code`` says how, the message says exactly what was expected."""
 

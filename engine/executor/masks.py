@@ -18,7 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.executor.proposer import DraftGrammar
-from engine.grammar_calls import DraftTree, FencingBackend, GrammarBackend, MaskEntry, MaskRefusals, MaskWait
+from engine.grammar_calls import (
+    DraftTree,
+    FencingBackend,
+    GrammarBackend,
+    MaskEntry,
+    MaskRefusals,
+    MaskWait,
+    mask_refused,
+    masks_unavailable,
+)
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
 
@@ -79,11 +88,9 @@ class PendingMasks:
         try:
             refusals = self._wait.result()
         except Exception as exc:  # the grammar service is unreachable: these rows cannot be sampled correctly
-            unavailable = {row: f"grammar masks unavailable: {exc}" for row in self._rows}
+            unavailable = {row: masks_unavailable(str(exc)) for row in self._rows}
             return StepMasks(_on_device(self._bitmask, device), unavailable)
-        errors = {
-            self._rows[i]: f"grammar mask refused ({code.value}): {message}" for i, (code, message) in refusals.items()
-        }
+        errors = {self._rows[i]: mask_refused(code, message) for i, (code, message) in refusals.items()}
         return StepMasks(_on_device(self._bitmask, device), errors)
 
 

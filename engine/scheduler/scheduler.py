@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from engine.config import EngineConfig
 from engine.errors import ProtocolError
 from engine.finish import AbortCause, Finish, FinishReason
-from engine.grammar_calls import CommitEntry, Refusal
+from engine.grammar_calls import CommitEntry, Refusal, is_service_unavailable
 from engine.grammar_calls import CommitOutcome as GrammarCommitOutcome
 from engine.kv.allocator import PageAllocator
 from engine.kv.prefix_cache import RadixNode, RadixPrefixCache
@@ -349,7 +349,7 @@ class Scheduler:
                 req.kv_committed = chunk_end  # a middle chunk: its KV is written, nothing was sampled
                 continue
             if run.error is not None:  # the executor could not sample this row (no fenced mask): end it alone
-                outcome.extend(self._finish_now(req, _grammar_abort(run.error)))
+                outcome.extend(self._finish_now(req, _row_failure(run.error)))
                 continue
             if run.ordinal != len(req.output_ids):
                 raise ProtocolError(
@@ -662,6 +662,14 @@ def _rejection(req: Request, token: int, position: int, violation: str | None) -
     if violation is not None:
         return f"{violation} (output position {position}, constraint: {named})"
     return f"the grammar refused token {token} at output position {position} (constraint: {named})"
+
+
+def _row_failure(error: str) -> Finish:
+    """A row the executor could not sample: the grammar service failing is UNAVAILABLE for the client (worth a
+    retry), a refusal of this request's mask ends it naming the grammar (C3, C13)."""
+    if is_service_unavailable(error):
+        return Finish(FinishReason.ABORT, message=error, cause=AbortCause.GRAMMAR_SERVICE)
+    return _grammar_abort(error)
 
 
 def _grammar_abort(message: str) -> Finish:

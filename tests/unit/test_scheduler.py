@@ -13,7 +13,7 @@ from engine.constraint import Constraint, ConstraintKind
 from engine.errors import ProtocolError
 from engine.finish import AbortCause, FinishReason
 from engine.grammar_calls import CommitOutcome as GrammarOutcome
-from engine.grammar_calls import CommitResult, Refusal
+from engine.grammar_calls import CommitResult, Refusal, mask_refused, masks_unavailable
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import IllegalTransitionError, Request, RequestState
 from engine.scheduler.scheduler import CommitOutcome, Scheduler
@@ -407,6 +407,26 @@ def test_a_row_the_executor_could_not_sample_ends_its_request_alone() -> None:
     assert by_id["a"].finish is not None and by_id["a"].finish.cause is AbortCause.GRAMMAR
     assert by_id["a"].output_ids == () and "behind_deadline" in (by_id["a"].finish.message or "")
     assert by_id["b"].new_token_ids == (4,) and by_id["b"].finish is None
+
+
+def test_a_row_whose_masks_could_not_be_had_from_the_service_ends_unavailable() -> None:
+    """The executor could not reach the grammar service for a row's masks (not a refusal of this request's grammar):
+    the request ends as when its grammar session is lost, cause GRAMMAR_SERVICE (the client gets UNAVAILABLE and may
+    retry), not as a grammar abort. Fails if ``_row_failure`` treats every row error alike (the cause is then
+    GRAMMAR and the client gets a finished "abort"; checked once)."""
+    s = _sched()
+    s.add(_req("a", 3))
+    s.add(_req("b", 3))
+    p = s.plan()
+    assert p is not None
+    runs = (
+        SampledRun("a", 0, (), error=masks_unavailable("the mask stream broke")),
+        SampledRun("b", 0, (), error=mask_refused(Refusal.UNAVAILABLE, "no answer")),
+    )
+    out = _commit(s, StepResult(p.step_id, runs))
+    for o in out.outputs:
+        assert o.finish is not None and o.finish.cause is AbortCause.GRAMMAR_SERVICE, o
+        assert o.output_ids == ()
 
 
 def test_the_speculation_cost_model_reads_the_step_period_when_given() -> None:
