@@ -85,6 +85,12 @@ class SpeculativeConfig:
                 f"speculative num_draft_tokens must be >= 2 (the pending token and at least one draft), got "
                 f"{self.num_draft_tokens}"
             )
+        if self.draft_grammar and self.algorithm is not SpecAlgorithm.DRAFT:
+            raise ValueError(
+                "speculative draft_grammar (--speculative-draft-grammar on) needs the draft-model proposer "
+                f"(--speculative-algorithm draft), got {self.algorithm.value}: n-gram drafts are lookups, and the "
+                "verify masks them in any case"
+            )
 
     @property
     def enabled(self) -> bool:

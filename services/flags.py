@@ -260,7 +260,7 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         "on: the draft model drafts each constrained request under its grammar (a grammar mask per draft depth: "
         "fewer wasted drafts, one grammar round trip per depth, and with --grammar-overlap on the first depth waits "
         "for the previous step's commit); off: it drafts unmasked and only the verify is masked. The output is the "
-        "same either way",
+        "same either way. Needs --speculative-algorithm draft",
     )
 
 

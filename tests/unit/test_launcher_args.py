@@ -115,6 +115,16 @@ def test_speculative_flags_round_trip_the_draft_grammar_option_included() -> Non
     assert engine_config(args).speculative == engine_config(again).speculative == want
 
 
+def test_drafting_under_the_grammar_without_a_draft_model_is_refused() -> None:
+    """--speculative-draft-grammar on applies to the draft model only: with n-gram (or no speculation) it would do
+    nothing, so it is refused at start with the flag to add, not silently ignored."""
+    parser = _engine_parser()
+    for algorithm in (["--speculative-algorithm", "ngram"], []):
+        args = parser.parse_args(["--model", "/m", *algorithm, "--speculative-draft-grammar", "on"])
+        with pytest.raises(SystemExit, match="--speculative-algorithm draft"):
+            engine_config(args)
+
+
 def test_grammar_overlap_sets_the_mask_wait() -> None:
     """on: the executor waits at the fence (mask_wait_s > 0); off: it never waits, the scheduler commits early."""
     parser = _engine_parser()
