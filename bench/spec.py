@@ -22,6 +22,8 @@ Then, under grammar (issue 16), with a grammar service in every stack, the repea
     delayed        constrained speculation, grammar overlap on: each step's forward starts before its draft masks
                    exist and only the verify waits for them (C4)
     early          constrained speculation, grammar overlap off: the scheduler commits before each constrained step
+    masked         (draft model only) delayed, the draft model drafting under the grammar (--speculative-draft-grammar
+                   on: a fenced mask per draft depth): its tokens per second and acceptance length
 
 The constraint is a regex that bans the characters `<`, `>` and `|`: every step needs a real mask (row 0 and every
 draft node), the model's own continuation is allowed, so the ratio delayed / spec is the cost of the grammar work
@@ -191,6 +193,7 @@ class GrammarRow:
     grammar: Run
     delayed: Run
     early: Run
+    masked: Run | None = None  # delayed, the draft model drafting under the grammar (--speculative-draft-grammar on)
 
 
 def bench_grammar(args: argparse.Namespace, tokenizer: Tokenizer) -> list[GrammarRow]:
@@ -211,8 +214,13 @@ def bench_grammar(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Gramma
         spec = _runs(target, on, free, args.cores, grammar=True)
         delayed = _runs(target, [*on, "--grammar-overlap", "on"], constrained, args.cores, grammar=True)
         early = _runs(target, [*on, "--grammar-overlap", "off"], constrained, args.cores, grammar=True)
+        masked: dict[tuple[str, int], Run] = {}
+        if algorithm == "draft":
+            under = [*on, "--grammar-overlap", "on", "--speculative-draft-grammar", "on"]
+            masked = _runs(target, under, constrained, args.cores, grammar=True)
         for key in free:
-            rows.append(GrammarRow(algorithm, key[1], spec[key], grammar[key], delayed[key], early[key]))
+            row = GrammarRow(algorithm, key[1], spec[key], grammar[key], delayed[key], early[key], masked.get(key))
+            rows.append(row)
             _print_grammar_row(rows[-1])
     return rows
 
@@ -225,7 +233,8 @@ def _draft(algorithm: str, args: argparse.Namespace) -> Path | None:
 
 _GRAMMAR_HEADER = (
     f"{'proposer':>8} {'streams':>7} | {'spec':>7} {'grammar':>7} {'delayed':>7} {'early':>7} tok/s | "
-    f"{'acc len':>7} {'early':>6} | {'delayed/spec':>12} {'delayed/early':>13} {'delayed/grammar':>15}"
+    f"{'acc len':>7} {'early':>6} | {'delayed/spec':>12} {'delayed/early':>13} {'delayed/grammar':>15} | "
+    f"{'masked':>7} {'acc len':>7}"
 )
 
 
@@ -235,7 +244,8 @@ def _print_grammar_row(r: GrammarRow) -> None:
         f"{r.delayed.tokens_per_s:7.0f} {r.early.tokens_per_s:7.0f}       | {r.delayed.accept_length:7.2f} "
         f"{r.early.accept_length:6.2f} | {r.delayed.tokens_per_s / r.spec.tokens_per_s:11.2f}x "
         f"{r.delayed.tokens_per_s / r.early.tokens_per_s:12.2f}x "
-        f"{r.delayed.tokens_per_s / r.grammar.tokens_per_s:14.2f}x",
+        f"{r.delayed.tokens_per_s / r.grammar.tokens_per_s:14.2f}x | "
+        + (f"{r.masked.tokens_per_s:7.0f} {r.masked.accept_length:7.2f}" if r.masked is not None else f"{'-':>7}"),
         flush=True,
     )
 
