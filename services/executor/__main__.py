@@ -25,6 +25,7 @@ import torch
 from engine.config import EngineConfig
 from engine.executor.runner import ModelRunner
 from engine.model.folder import model_dir, model_vocab_size
+from services import event_loop
 from services.executor.metrics import ExecutorMetrics
 from services.executor.server import start_executor
 from services.flags import add_engine_args, engine_config
@@ -116,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.watch_buffers(lambda: runner.num_buffers)
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
     try:
-        asyncio.run(serve(runner, args.host, args.port, metrics))
+        event_loop.run(serve(runner, args.host, args.port, metrics))
     finally:
         runner.shutdown()
         if grammar is not None:

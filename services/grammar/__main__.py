@@ -19,6 +19,7 @@ from pathlib import Path
 from engine.constraint import JsonSchemaMode
 from engine.grammar import CompilerConfig, ConstraintCompiler, EnforcementObserver, IntegerRange
 from engine.model.embedded import ensure_embedded_model
+from services import event_loop
 from services.flags import add_json_schema_args, json_schema_mode
 from services.grammar.metrics import GrammarMetrics
 from services.grammar.server import GrammarServiceConfig, start_grammar
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = GrammarMetrics()
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
     try:
-        asyncio.run(serve(compiler, args.host, args.port, config, metrics))
+        event_loop.run(serve(compiler, args.host, args.port, config, metrics))
     finally:
         compiler.shutdown()
         if metrics_server is not None:

@@ -25,6 +25,7 @@ from engine.grammar_calls import GrammarBackend
 from engine.model.folder import model_dir, model_vocab_size
 from engine.scheduler.engine import Engine
 from engine.step import StepRunner
+from services import event_loop
 from services.flags import DEFAULT_PORT, add_engine_args, add_json_schema_args, engine_config, json_schema_mode
 from services.grammar_client import GrammarServiceError, RemoteGrammar
 from services.metrics import serve_metrics
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.watch(engine.stats)
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
     try:
-        asyncio.run(_serve(engine, args))
+        event_loop.run(_serve(engine, args))
     finally:
         engine.shutdown()
         if isinstance(grammar, RemoteGrammar):
