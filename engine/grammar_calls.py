@@ -343,6 +343,11 @@ class MaskWait(Protocol):
 class FencingBackend(Protocol):
     """A backend that can open a step's mask fence now and answer it later, without a thread waiting at it."""
 
+    computes_meanwhile: bool
+    """True where the rows are computed elsewhere while the caller goes on (the remote service, in its process): a
+    fence that may not wait (early commit) is started the same way. False: the rows are computed on the caller's
+    thread, by the commits that fill the fence or at the result."""
+
     def start_masks(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
     ) -> MaskWait: ...

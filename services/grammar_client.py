@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -40,6 +41,7 @@ from engine.grammar_calls import (
     MaskEntry,
     MaskOutcome,
     MaskRefusals,
+    MaskWait,
     Refusal,
 )
 from protos import grammar_pb2 as pb
@@ -169,26 +171,54 @@ class GrammarStreamError(RuntimeError):
 
 
 class _CallStream:
-    """One open ``Stream`` call: each request goes out in call order and its reply comes back in the same order."""
+    """One open ``Stream`` call: each request goes out in call order and its reply comes back in the same order.
+
+    A request may be sent and its reply taken later (:meth:`send`, :meth:`receive`): the executor sends a step's
+    mask request before its forward and takes the answer after it, with no thread of its own waiting for it.
+    Replies are taken in the order their requests were sent; the reply of a request nobody takes (its step
+    failed) is dropped when a later one is taken."""
 
     def __init__(self, stub: pb_grpc.GrammarStub) -> None:
         self._outbox: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
         self._replies: queue.SimpleQueue[pb.StreamReply | GrammarStreamError] = queue.SimpleQueue()
+        self._send_lock = threading.Lock()  # the outbox order is the numbering order
+        self._receive_lock = threading.Lock()
+        self._sent = 0  # requests sent
+        self._taken = 0  # replies read off the queue (taken or dropped)
+        self._error: GrammarStreamError | None = None  # once the stream failed, every later receive says so
         self._call = stub.Stream(outbox_messages(self._outbox))
         self._reader = threading.Thread(target=self._read, name="ordinal-grammar-stream", daemon=True)
         self._reader.start()
 
-    def exchange(self, request: pb.StreamRequest, timeout_s: float) -> pb.StreamReply:
-        """Send one request and wait for its reply (the caller sends one at a time)."""
-        self._outbox.put(request)
-        try:
-            reply = self._replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise GrammarStreamError(f"the grammar service did not answer within {timeout_s:.1f} s") from None
-        if isinstance(reply, GrammarStreamError):
-            raise reply
-        if reply.WhichOneof("reply") != request.WhichOneof("call"):
-            raise GrammarStreamError(f"a {request.WhichOneof('call')} was answered by {reply.WhichOneof('reply')}")
+    def send(self, request: pb.StreamRequest) -> int:
+        """Send ``request`` now; the number to :meth:`receive` its reply with."""
+        with self._send_lock:
+            number = self._sent
+            self._sent += 1
+            self._outbox.put(request)
+        return number
+
+    def receive(self, number: int, call: str, deadline: float, timeout_s: float) -> pb.StreamReply:
+        """The reply to request ``number`` (a ``call`` request), waiting until ``deadline`` (time.monotonic, the
+        request's send time plus ``timeout_s``)."""
+        with self._receive_lock:
+            if number < self._taken:
+                raise GrammarStreamError(f"the reply to request {number} was dropped: a later one was taken first")
+            while True:
+                if self._error is not None:
+                    raise self._error
+                try:
+                    reply = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise GrammarStreamError(f"the grammar service did not answer within {timeout_s:.1f} s") from None
+                if isinstance(reply, GrammarStreamError):
+                    self._error = reply
+                    raise reply
+                self._taken += 1
+                if self._taken - 1 == number:
+                    break
+        if reply.WhichOneof("reply") != call:
+            raise GrammarStreamError(f"a {call} was answered by {reply.WhichOneof('reply')}")
         return reply
 
     def close(self) -> None:
@@ -208,8 +238,8 @@ class _CallStream:
 
 
 class _StreamSlot:
-    """A stream for one caller's per-step calls: opened on first use, one exchange at a time, reopened after a
-    failure (a failed or late exchange drops the stream, so a late reply can never answer a later request)."""
+    """A stream for one caller's per-step calls: opened on first use, reopened after a failure (a failed or late
+    reply drops the stream, so a late reply can never answer a later request)."""
 
     def __init__(self, stub: pb_grpc.GrammarStub) -> None:
         self._stub = stub
@@ -217,21 +247,67 @@ class _StreamSlot:
         self._stream: _CallStream | None = None
 
     def exchange(self, request: pb.StreamRequest, timeout_s: float) -> pb.StreamReply:
+        """Send one request and wait (at most ``timeout_s``) for its reply."""
+        return self.send(request, timeout_s).receive()
+
+    def send(self, request: pb.StreamRequest, timeout_s: float) -> _SentRequest:
+        """Send ``request`` now; its reply, due within ``timeout_s`` from now, is taken from what this returns."""
         with self._lock:
             if self._stream is None:
                 self._stream = _CallStream(self._stub)
-            try:
-                return self._stream.exchange(request, timeout_s)
-            except GrammarStreamError:
-                self._stream.close()
+            stream = self._stream
+            number = stream.send(request)
+        call = str(request.WhichOneof("call"))
+        return _SentRequest(self, stream, number, call, time.monotonic() + timeout_s, timeout_s)
+
+    def drop(self, stream: _CallStream) -> None:
+        """``stream`` failed: close it, and open a new one on the next send unless that happened already."""
+        with self._lock:
+            if self._stream is stream:
                 self._stream = None
-                raise
+        stream.close()
 
     def close(self) -> None:
         with self._lock:
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
+
+
+@dataclass(frozen=True)
+class _SentRequest:
+    """A request sent on a slot's stream whose reply has not been taken."""
+
+    slot: _StreamSlot
+    stream: _CallStream
+    number: int
+    call: str
+    deadline: float  # time.monotonic
+    timeout_s: float
+
+    def receive(self) -> pb.StreamReply:
+        try:
+            return self.stream.receive(self.number, self.call, self.deadline, self.timeout_s)
+        except GrammarStreamError:
+            self.slot.drop(self.stream)
+            raise
+
+
+class StreamedMasks:
+    """A mask request sent on the stream (a :class:`~engine.grammar_calls.MaskWait`): :meth:`result` takes its
+    reply and writes the rows into the step's bitmask on the caller's thread."""
+
+    def __init__(self, sent: _SentRequest, entries: Sequence[MaskEntry], out: torch.Tensor, starts: Sequence[int]):
+        self._sent = sent
+        self._entries = entries
+        self._out = out
+        self._starts = starts
+
+    def result(self) -> MaskRefusals:
+        return convert.decode_masks_into(self._sent.receive().fill_masks, self._entries, self._out, self._starts)
+
+    def close(self) -> None:
+        """Nothing to stop: the service answers by the deadline, and a reply nobody takes is dropped by the next."""
 
 
 # ---------------------------------------------------------------- clients
@@ -317,6 +393,15 @@ class GrammarClient:
         wait_s = (deadline_s if deadline_s is not None else self._timeout_s) + MASK_REPLY_MARGIN_S
         reply = self._mask_stream.exchange(request, wait_s).fill_masks
         return convert.decode_masks_into(reply, entries, out, starts)
+
+    def stream_start_masks(
+        self, entries: Sequence[MaskEntry], deadline_s: float | None, out: torch.Tensor, starts: Sequence[int]
+    ) -> StreamedMasks:
+        """:meth:`stream_fill_masks_into` in two halves: the request goes out now, the reply is taken (and written
+        into ``out``) by the returned wait's ``result``."""
+        request = pb.StreamRequest(fill_masks=fill_request(entries, deadline_s))
+        wait_s = (deadline_s if deadline_s is not None else self._timeout_s) + MASK_REPLY_MARGIN_S
+        return StreamedMasks(self._mask_stream.send(request, wait_s), entries, out, starts)
 
     def stream_release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
         request = pb.StreamRequest(release=pb.ReleaseRequest(request_ids=list(request_ids)))
@@ -448,6 +533,15 @@ class RemoteGrammar:
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
     ) -> MaskRefusals:
         return self._client.stream_fill_masks_into(entries, deadline_s, out, starts)
+
+    computes_meanwhile = True  # FencingBackend: the service computes the rows in its own process
+
+    def start_masks(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskWait:
+        """The mask request goes out now, from the caller's thread; the service computes the rows (waiting at its
+        fence) while the caller runs its forward, and the wait's ``result`` takes the reply."""
+        return self._client.stream_start_masks(entries, deadline_s, out, starts)
 
     def release(self, request_ids: Sequence[str]) -> None:
         if not request_ids:

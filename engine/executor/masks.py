@@ -2,8 +2,9 @@
 
 The fetch starts before the forward, so waiting at the grammar fence for the scheduler's commit of the previous
 step overlaps the forward; only sampling waits for the masks ("delayed sampling"). With delayed sampling an
-in-process grammar opens the fence right away and the commit fills it (:class:`~engine.grammar.backend.FencingBackend`);
-otherwise the blocking call runs on a thread of its own.
+in-process grammar opens the fence right away and the commit fills it; a remote one, in either mode, sends the
+request at once and takes its reply after the forward (:class:`~engine.grammar_calls.FencingBackend`); otherwise
+the blocking call runs on a thread of its own.
 
 A draft model drafting under the grammar (``--speculative-draft-grammar on``) gets its masks the same way, one
 fetch per draft depth (:class:`DraftMasks`), each started before that depth's draft forward.
@@ -109,9 +110,12 @@ class MaskFetcher:
         self._backend = backend
         # A fence that may wait (delayed sampling) is opened and left to the commits that fill it. One that may not
         # (early commit: every row is answerable at once) is computed on the fetch thread while the forward runs:
-        # opened in place, its rows would only be computed after the forward (bench/grammar.py: the executor's wait
-        # for masks after the forward went from 0.04 to 0.7 ms p50 with early commit).
-        self._fencing = backend if isinstance(backend, FencingBackend) and wait_s > 0 else None
+        # opened in place in this process, its rows would only be computed after the forward (bench/grammar.py: the
+        # executor's wait for masks after the forward went from 0.04 to 0.7 ms p50 with early commit). A remote
+        # service computes them in its own process either way: its request is sent from the caller's thread and
+        # its reply taken after the forward, with no thread hop on the executor's core.
+        fencing = backend if isinstance(backend, FencingBackend) else None
+        self._fencing = fencing if fencing is not None and (wait_s > 0 or fencing.computes_meanwhile) else None
         self._words = -(-vocab_size // 32)
         self._wait_s = wait_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-masks")

@@ -63,6 +63,8 @@ class LocalGrammar:
     ) -> MaskRefusals:
         return self.registry.fill_masks_into(entries, deadline_s, out, starts)
 
+    computes_meanwhile = False  # FencingBackend: rows are computed on the commit's or the caller's thread
+
     def start_masks(
         self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
     ) -> FencedMasks:

@@ -599,6 +599,56 @@ def test_a_commit_reaches_a_mask_waiting_on_the_clients_other_stream(
         assert client.stream_release([rid]) == [None]
 
 
+def test_a_started_mask_request_is_at_the_fence_before_its_result_is_asked(
+    stub: pb_grpc.GrammarStub, target: str, tokens: list[int]
+) -> None:
+    """C4 from the executor's side: RemoteGrammar.start_masks sends the request from the caller's thread at once, so
+    the service waits at its fence (and computes the rows) while the caller runs its forward; only ``result`` takes
+    the reply. Enforced by GrammarClient.stream_start_masks sending in `self._mask_stream.send(...)`; a wait that
+    sent its request only in ``result`` leaves nothing at the fence and the poll fails after WAIT_S."""
+    rid = open_one(stub)
+    out = torch.zeros((1, row_words(stub)), dtype=torch.int32)  # [1, W]
+    masks_client = RemoteGrammar.connect(target, WAIT_S, holds_session=False)  # the executor's client
+    try:
+        with GrammarClient(target, timeout_s=WAIT_S) as client:
+            wait = masks_client.start_masks([MaskEntry(rid, 1)], 3.0, out, [0])
+            wait_until_fenced(stub, 1)  # no thread of the caller's is waiting: the request is out
+            [done] = client.stream_commit([CommitEntry(rid, 0, (tokens[0],))])
+            assert done.result is not None and done.result.new_ordinal == 1
+            assert wait.result() == {}
+            assert out[0].numpy().astype("<i4").tobytes() == mask_row(
+                masks(stub, [pb.MaskEntry(request_id=rid, ordinal=1)])
+            )
+            assert client.stream_release([rid]) == [None]
+    finally:
+        masks_client.close()
+
+
+def test_a_reply_nobody_took_never_answers_the_next_request(stub: pb_grpc.GrammarStub, target: str) -> None:
+    """C3 on a pipelined stream: the reply of a mask request whose step gave it up (closed, never taken) is dropped
+    when the next request's reply is taken, never handed to it. Enforced by the numbering in _CallStream.receive
+    (`if self._taken - 1 == number`); a receive that returns the first reply off the queue hands the second request
+    the first one's refusal (ordinal 7 of a grammar at 0, with no time to wait), and its row stays unwritten."""
+    rid = open_one(stub)
+    masks_client = RemoteGrammar.connect(target, WAIT_S, holds_session=False)
+    try:
+        given_up = torch.zeros((1, row_words(stub)), dtype=torch.int32)  # [1, W]
+        out = torch.zeros((1, row_words(stub)), dtype=torch.int32)  # [1, W]
+        first = masks_client.start_masks([MaskEntry(rid, 7)], 0.0, given_up, [0])
+        first.close()
+        second = masks_client.start_masks([MaskEntry(rid, 0)], 0.0, out, [0])
+        assert second.result() == {}
+        assert out[0].numpy().astype("<i4").tobytes() == mask_row(
+            masks(stub, [pb.MaskEntry(request_id=rid, ordinal=0)])
+        )
+        assert bool((given_up == 0).all())  # the dropped reply wrote nothing
+        with pytest.raises(GrammarStreamError, match="dropped"):
+            first.result()  # taken out of order: said so, never answered from another reply
+    finally:
+        masks_client.close()
+        assert release(stub, rid) == [pb.OK]
+
+
 def test_a_lost_service_fails_the_stream_calls_and_remote_grammar_ends_only_constrained_work(
     embedded_model_dir: Path,
 ) -> None:
