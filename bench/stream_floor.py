@@ -1,7 +1,8 @@
 """The grpc.aio floor under bench/host_overhead.py: server CPU per streamed message with no engine at all.
 
 A bare ``SglangScheduler.Generate`` servicer (the real SGLang proto, grpc.aio, loopback) streams one one-token chunk
-per stream per step to N concurrent streams read by a client in another process. A driver thread posts each step's
+per stream per step to N concurrent streams read by a client in another process, on the event loop the services
+run on (uvloop: services/event_loop.py). A driver thread posts each step's
 tokens into the streams' queues with one ``call_soon_threadsafe`` (as the scheduler's mailbox does) at a fixed step
 period long enough for every stream to keep up, so every token is its own message. Printed per N: the server
 process's CPU per step and per message. This is what the scheduler's relay costs before any engine work: at 128
@@ -15,13 +16,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import sys
 import threading
 import time
 from multiprocessing.queues import Queue
+from pathlib import Path
 
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services import event_loop
 
 WARMUP_STEPS = 30
 
@@ -73,7 +80,7 @@ def _serve(out: Queue[object], streams: int, steps: int, period_s: float) -> Non
             await asyncio.sleep(0.05)
         await server.stop(1.0)
 
-    asyncio.run(main())
+    event_loop.run(main())  # the loop the scheduler service runs on
 
 
 def _read(port: int, streams: int) -> None:

@@ -2,9 +2,10 @@
 
 Why: the scheduler writes one gRPC message per caught-up stream per step, and most of a grpc.aio write that is not
 the socket's own syscall is the event loop's bookkeeping (a task step to resume the writer, a future per write, the
-completion poller's callback). uvloop does that bookkeeping in C: bench/stream_floor.py measured 25.3 us of server
-CPU per message on asyncio's loop and 20.7 on uvloop at 128 streams. The asyncio loop remains the fallback where
-uvloop is not available (it has no Windows build), with the same behaviour.
+completion poller's callback). uvloop does that bookkeeping in C: back to back on this machine, the scheduler's CPU per
+decode step at 128 streams (bench/host_overhead.py) read 6.10 and 5.97 ms on asyncio's loop, 5.78 and 5.00 on
+uvloop (docs/architecture.md "Host overhead"). The asyncio loop remains the fallback where uvloop is not available
+(it has no Windows build), with the same behaviour.
 """
 
 from __future__ import annotations
