@@ -239,16 +239,21 @@ class _CallStream:
 
 class _StreamSlot:
     """A stream for one caller's per-step calls: opened on first use, reopened after a failure (a failed or late
-    reply drops the stream, so a late reply can never answer a later request)."""
+    reply drops the stream, so a late reply can never answer a later request).
+
+    Exchanges are serialized (any thread may call them). A request sent with :meth:`send` is received by its
+    sender later, outside the slot's lock: a slot serves either such split requests of one thread (the executor's
+    masks) or exchanges, never both at once, since an exchange would take and drop a pending split reply."""
 
     def __init__(self, stub: pb_grpc.GrammarStub) -> None:
         self._stub = stub
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by an exchange whose receive fails and drops the stream
         self._stream: _CallStream | None = None
 
     def exchange(self, request: pb.StreamRequest, timeout_s: float) -> pb.StreamReply:
-        """Send one request and wait (at most ``timeout_s``) for its reply."""
-        return self.send(request, timeout_s).receive()
+        """Send one request and wait (at most ``timeout_s``) for its reply, one exchange at a time."""
+        with self._lock:
+            return self.send(request, timeout_s).receive()
 
     def send(self, request: pb.StreamRequest, timeout_s: float) -> _SentRequest:
         """Send ``request`` now; its reply, due within ``timeout_s`` from now, is taken from what this returns."""
@@ -389,19 +394,20 @@ class GrammarClient:
         self, entries: Sequence[MaskEntry], deadline_s: float | None, out: torch.Tensor, starts: Sequence[int]
     ) -> MaskRefusals:
         """Fenced masks written straight into ``out`` [N, W] (entry i's rows from ``starts[i]``); the refusals."""
-        request = pb.StreamRequest(fill_masks=fill_request(entries, deadline_s))
-        wait_s = (deadline_s if deadline_s is not None else self._timeout_s) + MASK_REPLY_MARGIN_S
-        reply = self._mask_stream.exchange(request, wait_s).fill_masks
+        reply = self._mask_stream.exchange(*self._mask_request(entries, deadline_s)).fill_masks
         return convert.decode_masks_into(reply, entries, out, starts)
 
     def stream_start_masks(
         self, entries: Sequence[MaskEntry], deadline_s: float | None, out: torch.Tensor, starts: Sequence[int]
     ) -> StreamedMasks:
         """:meth:`stream_fill_masks_into` in two halves: the request goes out now, the reply is taken (and written
-        into ``out``) by the returned wait's ``result``."""
-        request = pb.StreamRequest(fill_masks=fill_request(entries, deadline_s))
+        into ``out``) by the returned wait's ``result``, on the thread that sent it."""
+        return StreamedMasks(self._mask_stream.send(*self._mask_request(entries, deadline_s)), entries, out, starts)
+
+    def _mask_request(self, entries: Sequence[MaskEntry], deadline_s: float | None) -> tuple[pb.StreamRequest, float]:
+        """A FillMasks stream request, and how long its reply may take: the fence's deadline plus a margin."""
         wait_s = (deadline_s if deadline_s is not None else self._timeout_s) + MASK_REPLY_MARGIN_S
-        return StreamedMasks(self._mask_stream.send(request, wait_s), entries, out, starts)
+        return pb.StreamRequest(fill_masks=fill_request(entries, deadline_s)), wait_s
 
     def stream_release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
         request = pb.StreamRequest(release=pb.ReleaseRequest(request_ids=list(request_ids)))

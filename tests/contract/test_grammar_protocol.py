@@ -684,7 +684,7 @@ def test_a_mask_of_a_service_that_stops_answering_fails_at_its_deadline(embedded
     """C3 from the executor's side of a dead service: its mask call waits for a reply at most the fence deadline plus
     MASK_REPLY_MARGIN_S, then fails (the step's constrained rows end, each with its request's abort), never at the
     call's 30 s timeout, however silent the service. Enforced by `wait_s = (deadline_s ...) + MASK_REPLY_MARGIN_S` in
-    GrammarClient.stream_fill_masks_into; with the former `self._timeout_s + deadline_s` the call takes 30.5 s."""
+    GrammarClient._mask_request; with the former `self._timeout_s + deadline_s` the call takes 30.5 s."""
     compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
     served = GrammarThread(compiler)
     target = f"127.0.0.1:{served.port}"
