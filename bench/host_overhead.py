@@ -55,7 +55,8 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 @dataclass(frozen=True)
 class Sample:
-    scheduler_cpu: float
+    engine_cpu: float  # the process that runs the step loop: the scheduler's, or its engine process
+    front_cpu: float  # the scheduler's front end when the engine has its own process, else 0
     executor_cpu: float
     steps: int
     forward_cpu: float
@@ -63,9 +64,11 @@ class Sample:
 
 @dataclass(frozen=True)
 class Row:
+    split: bool  # the scheduler ran as front end + engine process
     streams: int
     steps: int
-    scheduler_ms: float
+    engine_ms: float
+    front_ms: float
     executor_ms: float
     forward_ms: float
     wall_ms: float  # wall time per step
@@ -75,6 +78,10 @@ class Row:
     @property
     def rest_ms(self) -> float:
         return self.executor_ms - self.forward_ms
+
+    @property
+    def scheduler_ms(self) -> float:
+        return self.engine_ms + self.front_ms
 
 
 def tiny_checkpoint(dest: Path) -> Path:
@@ -108,9 +115,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime + stime
 
 
+def engine_child(scheduler_pid: int) -> int | None:
+    """The scheduler's engine process (its one child), if it runs one."""
+    children = Path(f"/proc/{scheduler_pid}/task/{scheduler_pid}/children").read_text().split()
+    return int(children[0]) if children else None
+
+
 def sample(scheduler_pid: int, executor_pid: int, executor: epb_grpc.ExecutorStub) -> Sample:
     state = executor.GetState(epb.StateRequest(), timeout=10)
-    return Sample(cpu_seconds(scheduler_pid), cpu_seconds(executor_pid), state.steps, state.forward_cpu_seconds)
+    child = engine_child(scheduler_pid)
+    scheduler = cpu_seconds(scheduler_pid)
+    engine, front = (scheduler, 0.0) if child is None else (cpu_seconds(child), scheduler)
+    return Sample(engine, front, cpu_seconds(executor_pid), state.steps, state.forward_cpu_seconds)
 
 
 async def measure(
@@ -152,7 +168,10 @@ async def measure(
             tasks = [asyncio.create_task(stream(stub, i)) for i in range(streams)]
             await asyncio.wait_for(decoding.wait(), 300)
             if pause_s:
-                print(f"PROFILE scheduler={pids[0]} executor={pids[1]} streams={streams}", flush=True)
+                print(
+                    f"PROFILE scheduler={pids[0]} engine={engine_child(pids[0])} executor={pids[1]} streams={streams}",
+                    flush=True,
+                )
                 await asyncio.sleep(pause_s)
             first = sample(*pids, executor)
             first_received = tuple(received)
@@ -169,9 +188,11 @@ async def measure(
             await asyncio.gather(*tasks, return_exceptions=True)
     n = last.steps - first.steps
     return Row(
+        engine_child(pids[0]) is not None,
         streams,
         n,
-        (last.scheduler_cpu - first.scheduler_cpu) / n * 1e3,
+        (last.engine_cpu - first.engine_cpu) / n * 1e3,
+        (last.front_cpu - first.front_cpu) / n * 1e3,
         (last.executor_cpu - first.executor_cpu) / n * 1e3,
         (last.forward_cpu - first.forward_cpu) / n * 1e3,
         wall / n * 1e3,
@@ -182,14 +203,17 @@ async def measure(
 
 def print_table(rows: list[Row]) -> None:
     header = (
-        f"{'streams':>8}{'steps':>7}{'scheduler ms/step':>19}{'us/request':>12}"
-        f"{'executor ms/step':>18}{'forward ms/step':>17}{'rest ms/step':>14}"
+        f"{'scheduler':>15}{'streams':>8}{'steps':>7}{'loop ms/step':>14}{'front ms/step':>15}{'total ms/step':>15}"
+        f"{'us/request':>12}{'executor ms/step':>18}{'forward ms/step':>17}{'rest ms/step':>14}"
         f"{'step ms':>9}{'msgs/step':>11}{'tokens/msg':>12}"
     )
     print(header)
     for r in rows:
+        mode = "two processes" if r.split else "one process"
+        front = f"{r.front_ms:.2f}" if r.split else "-"
         print(
-            f"{r.streams:>8}{r.steps:>7}{r.scheduler_ms:>19.2f}{r.scheduler_ms * 1e3 / r.streams:>12.0f}"
+            f"{mode:>15}{r.streams:>8}{r.steps:>7}{r.engine_ms:>14.2f}{front:>15}{r.scheduler_ms:>15.2f}"
+            f"{r.scheduler_ms * 1e3 / r.streams:>12.0f}"
             f"{r.executor_ms:>18.2f}{r.forward_ms:>17.2f}{r.rest_ms:>14.2f}{r.wall_ms:>9.2f}"
             f"{r.messages:>11.1f}{r.tokens / max(r.messages, 1e-9):>12.2f}"
         )
@@ -202,20 +226,28 @@ def main() -> None:
     parser.add_argument(
         "--profile-pause", type=float, default=0.0, help="seconds to keep decoding before each window (for py-spy)"
     )
+    parser.add_argument(
+        "--engine-process",
+        nargs="+",
+        choices=("on", "off"),
+        default=["off", "on"],
+        help="the scheduler's modes to measure, each on its own stack, in this run",
+    )
     args = parser.parse_args()
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # one torch thread: forward CPU is its thread's
     with tempfile.TemporaryDirectory(prefix="ordinal-overhead-") as tmp:
         model = tiny_checkpoint(Path(tmp))
         pages = max(args.streams) * (PROMPT_LEN + OUTPUT_LEN) // 16 + 64
         flags = ["--num-pages", str(pages), "--max-running", str(max(args.streams)), "--chunk-size", "2048"]
-        with spawned_stack(model, flags) as stack:
-            executor_pid, scheduler_pid = stack.pids
-            executor_target = stack.executor
-            pids = (scheduler_pid, executor_pid)
-            rows = [
-                asyncio.run(measure(stack.target, executor_target, pids, n, args.steps, args.profile_pause))
-                for n in args.streams
-            ]
+        rows: list[Row] = []
+        for mode in args.engine_process:
+            with spawned_stack(model, flags, scheduler_args=["--engine-process", mode]) as stack:
+                executor_pid, scheduler_pid = stack.pids
+                pids = (scheduler_pid, executor_pid)
+                rows += [
+                    asyncio.run(measure(stack.target, stack.executor, pids, n, args.steps, args.profile_pause))
+                    for n in args.streams
+                ]
     print_table(rows)
 
 

@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,10 +175,15 @@ class SpawnedStack:
 
 @contextmanager
 def spawned_stack(
-    model: Path, config_args: list[str], grammar: bool = False, cores: Cores | None = None
+    model: Path,
+    config_args: list[str],
+    grammar: bool = False,
+    cores: Cores | None = None,
+    scheduler_args: Sequence[str] = (),
 ) -> Iterator[SpawnedStack]:
     """Start executor and scheduler (and with ``grammar`` a grammar service both use) as their own processes on
-    loopback; yield the scheduler's address and the pids. ``cores``: pin the executor and the others apart."""
+    loopback; yield the scheduler's address and the pids. ``cores``: pin the executor and the others apart.
+    ``scheduler_args``: flags for the scheduler only (``--engine-process off``)."""
     rest = cores.rest if cores is not None else None
     own = cores.executor if cores is not None else None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -199,7 +204,7 @@ def spawned_stack(
         eport = _ready_port(executor, "EXECUTOR_READY")
         scheduler = _start(
             [sys.executable, "-m", "services.scheduler", "--port", "0", "--executor", f"127.0.0.1:{eport}",
-             "--model", str(model), *links, *config_args],
+             "--model", str(model), *links, *config_args, *scheduler_args],
             env,
             rest,
         )  # fmt: skip

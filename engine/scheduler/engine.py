@@ -38,6 +38,7 @@ from engine.grammar_calls import CommitEntry, GrammarBackend, GrammarUnavailable
 from engine.grammar_calls import CommitOutcome as GrammarCommitOutcome
 from engine.model.folder import model_dir
 from engine.model.tokenizer import Tokenizer
+from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 from engine.scheduler.metrics import EngineObserver, NullObserver, RequestTimeline
 from engine.scheduler.outages import ExecutorOutage, GrammarSessions
@@ -95,11 +96,15 @@ class Engine:
         runner: StepRunner | None = None,
         observer: EngineObserver | None = None,
         grammar: GrammarBackend | None = None,
+        flush: Callable[[], None] | None = None,
     ) -> None:
         """``runner`` None loads the model in process, with an in-process grammar service unless ``grammar`` is
         given. With a remote runner, ``grammar`` is the grammar service the executor uses too (None: constrained
-        requests are refused)."""
+        requests are refused). ``flush`` is called on the loop thread after every scheduler event that publishes
+        outputs or stats (a commit, an add, an abort): sinks that batch (a front end in another process) send what
+        they hold then, one message per commit instead of one per output."""
         self.config = config
+        self._flush = flush
         self._close_grammar: Callable[[], None] | None = None  # the grammar registry this engine built, if any
         if runner is None:
             runner, grammar, self._close_grammar = _in_process(config, grammar)
@@ -287,28 +292,7 @@ class Engine:
     def _validated_request(
         self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, with_text: bool = True
     ) -> Request:
-        prompt = tuple(int(t) for t in prompt_ids)
-        if not prompt:
-            raise InvalidRequestError("input_ids", "must not be empty")
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError("input_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        params.validate(vocab)
-        total = len(prompt) + params.max_new_tokens
-        if total > self.info.max_context:
-            raise InvalidRequestError(
-                "max_new_tokens",
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
-                f"context length {self.info.max_context}",
-            )
-        need = pages_for(total - 1, self.config.page_size)
-        if need > self.config.num_pages:
-            raise InvalidRequestError(
-                "max_new_tokens",
-                f"the request needs {need} KV pages but the pool has {self.config.num_pages}; "
-                "lower max_new_tokens or start the engine with more pages",
-            )
+        prompt = checked_prompt(prompt_ids, params, self.info, self.config)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._seeds)
         decoder = self.tokenizer if with_text or params.stop else None
         checker = StopChecker(params, self.info.eos_token_ids, decoder)
@@ -339,6 +323,8 @@ class Engine:
             out = RequestOutput(rid, (), "", 0, 0, 0, finish=finish, output_ids=())
             self._timeline.output(out)
             sink(out)
+        if self._flush is not None:
+            self._flush()
 
     def _loop(self) -> None:
         inflight = self._inflight
@@ -481,6 +467,8 @@ class Engine:
         self._timeline.output(out)
         if sink is not None:
             sink(out)
+        if self._flush is not None:
+            self._flush()
 
     def _opened(self, msg: _Opened) -> None:
         rid = msg.request.request_id
@@ -524,6 +512,8 @@ class Engine:
                 self._live.pop(out.request_id, None)
             if sink is not None:
                 sink(out)
+        if self._flush is not None:
+            self._flush()
 
     def _wait_for_work(self) -> None:
         self._last_commit = None  # the next step's period would count this wait
@@ -543,6 +533,37 @@ class Engine:
         for rid in tuple(self._live):
             self._inbox.put(_Abort(rid, message, AbortCause.SHUTDOWN))
         self._drain_inbox()
+
+
+def checked_prompt(
+    prompt_ids: Sequence[int], params: SamplingParams, info: ModelInfo, config: EngineConfig
+) -> tuple[int, ...]:
+    """The prompt as a tuple, once ``prompt_ids`` and ``params`` are known to fit ``info``'s model and ``config``'s
+    KV pool; else :class:`InvalidRequestError` naming the field. Pure: a front end in another process runs the same
+    check before anything is sent to the engine, so a bad request is refused there, before any resource is taken."""
+    prompt = tuple(int(t) for t in prompt_ids)
+    if not prompt:
+        raise InvalidRequestError("input_ids", "must not be empty")
+    vocab = info.vocab_size
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError("input_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    params.validate(vocab)
+    total = len(prompt) + params.max_new_tokens
+    if total > info.max_context:
+        raise InvalidRequestError(
+            "max_new_tokens",
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
+            f"context length {info.max_context}",
+        )
+    need = pages_for(total - 1, config.page_size)
+    if need > config.num_pages:
+        raise InvalidRequestError(
+            "max_new_tokens",
+            f"the request needs {need} KV pages but the pool has {config.num_pages}; "
+            "lower max_new_tokens or start the engine with more pages",
+        )
+    return prompt
 
 
 def _in_process(

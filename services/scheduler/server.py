@@ -16,11 +16,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from engine.scheduler.engine import Engine
 from services.grpc_common import add_health_and_reflection
 from services.scheduler.servicer import (
     SERVICE_NAME,
     SchedulerServicer,
+    ServedEngine,
     ServicerOptions,
     executor_health,
     served_model,
@@ -36,7 +36,9 @@ _T = TypeVar("_T")
 class ExecutorHealthMonitor:
     """Keeps grpc.health.v1 statuses in step with the executor's health probe."""
 
-    def __init__(self, engine: Engine, health_servicer: health.aio.HealthServicer, services: Sequence[str]) -> None:
+    def __init__(
+        self, engine: ServedEngine, health_servicer: health.aio.HealthServicer, services: Sequence[str]
+    ) -> None:
         self._engine = engine
         self._health = health_servicer
         self._services = ("", *services)
@@ -60,7 +62,7 @@ class SchedulerServer:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ServedEngine,
         served_model_name: str | None = None,
         executor: str | None = None,
         grammar: str | None = None,

@@ -28,23 +28,27 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from engine.config import EngineConfig
+from engine.constraint import Constraint
 from engine.errors import InvalidRequestError
 from engine.finish import AbortCause, Finish, FinishReason
 from engine.model.embedded import EMBEDDED_MODEL_NAME
 from engine.model_info import ModelInfo
-from engine.scheduler.engine import Engine, OutputSink
+from engine.sampling_params import SamplingParams
+from engine.scheduler.engine import OutputSink
 from engine.scheduler.request import RequestOutput, TokenLogprob
+from engine.scheduler.scheduler import SchedulerStats
 from engine.scheduler.tombstones import TombstoneBounds, Tombstones
 from services.scheduler import convert
 from services.scheduler.convert import GenerateSpec, ModelLimits, ServedModel, ServerState
@@ -58,6 +62,46 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 _Outputs = Inbox[tuple[int, RequestOutput] | None]  # None: wake up, an Abort RPC won
 
 ABORT_FLUSH_S = 1.0  # how long an Abort answer waits for its stream's final messages to be written
+
+
+class ExecutorProbe(Protocol):
+    def healthy(self) -> bool: ...
+
+
+class GrammarProbe(Protocol):
+    def unavailable(self) -> str | None: ...
+
+
+class ServedEngine(Protocol):
+    """What the servicer needs of an engine: an in-process :class:`~engine.scheduler.engine.Engine`, or the front
+    end's handle on its engine process (services/scheduler/engine_proxy.py). ``submit`` and ``abort`` never wait;
+    ``sink`` is called with each output, on whatever thread the engine delivers on."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def runner(self) -> ExecutorProbe: ...
+
+    @property
+    def grammar(self) -> GrammarProbe | None: ...
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        request_id: str | None = None,
+        constraint: Constraint | None = None,
+        with_text: bool = True,
+    ) -> str: ...
+
+    def abort(self, request_id: str, message: str = ..., cause: AbortCause = ...) -> bool: ...
+
+    def stats(self) -> SchedulerStats: ...
 
 
 class ServiceLostError(Exception):
@@ -88,7 +132,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ServedEngine,
         model: ServedModel,
         executor: str | None = None,
         grammar: str | None = None,
@@ -501,7 +545,7 @@ async def _unimplemented(context: grpc.aio.ServicerContext, rpc: str, why: str) 
     await _refuse(context, grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is not implemented by this server: {why}")
 
 
-async def executor_health(engine: Engine) -> tuple[bool, str]:
+async def executor_health(engine: ServedEngine) -> tuple[bool, str]:
     """Ask the executor whether it answers (off the event loop: the probe may wait on the network)."""
     try:
         healthy = await asyncio.to_thread(engine.runner.healthy)
@@ -510,7 +554,7 @@ async def executor_health(engine: Engine) -> tuple[bool, str]:
     return healthy, "executor answers" if healthy else "executor does not answer"
 
 
-async def grammar_health(engine: Engine) -> str:
+async def grammar_health(engine: ServedEngine) -> str:
     """What the grammar service's state means for requests (off the event loop: the probe may wait on the network)."""
     if engine.grammar is None:
         return "no grammar service: constrained requests are refused"
