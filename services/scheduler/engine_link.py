@@ -18,7 +18,9 @@ import enum
 import pickle
 import socket
 import struct
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.constraint import Constraint
@@ -78,13 +80,33 @@ class Ready:
     stats: SchedulerStats
 
 
+_OutputRow = tuple[Any, ...]  # a RequestOutput's fields, in declaration order
+
+
 @dataclass(frozen=True)
 class Outputs:
     """One burst of the engine's sink calls (a commit's outputs), in order; ``stats`` when they changed since the
-    last message (published before any of these outputs, as in one process)."""
+    last message (published before any of these outputs, as in one process).
 
-    outputs: tuple[RequestOutput, ...]
+    The outputs travel as plain tuples of their fields: pickle spends about ten times as long on a slotted
+    dataclass (its reduce protocol, per object) as on the tuple of its fields, 204 vs 19 us for 128 outputs here."""
+
+    rows: tuple[_OutputRow, ...]
     stats: SchedulerStats | None
+
+    @classmethod
+    def of(cls, outputs: Sequence[RequestOutput], stats: SchedulerStats | None) -> Outputs:
+        return cls(tuple(_row(o) for o in outputs), stats)
+
+    def outputs(self) -> list[RequestOutput]:
+        return [RequestOutput(*row) for row in self.rows]
+
+
+def _row(o: RequestOutput) -> _OutputRow:
+    return (
+        o.request_id, o.new_token_ids, o.text_delta, o.num_output_tokens, o.num_prompt_tokens, o.num_cached_tokens,
+        o.logprobs, o.finish, o.output_ids, o.spec_draft_tokens, o.spec_accepted_tokens, o.spec_verify_steps,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -96,6 +118,13 @@ class ProbeAnswer:
 
 ToEngine = Submit | Abort | Probe | Shutdown
 FromEngine = Ready | Outputs | ProbeAnswer
+
+
+# _row lists the fields by hand (a getattr loop costs more than the pickling it saves): keep it in step.
+assert [f.name for f in fields(RequestOutput)] == [
+    "request_id", "new_token_ids", "text_delta", "num_output_tokens", "num_prompt_tokens", "num_cached_tokens",
+    "logprobs", "finish", "output_ids", "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps",
+], "RequestOutput's fields changed: update engine_link._row"  # fmt: skip
 
 
 def frame(message: ToEngine | FromEngine) -> bytes:

@@ -75,7 +75,7 @@ class EngineHost:
             return
         held, self._held = self._held, []
         self._sent_stats = stats
-        self._send(link.Outputs(tuple(held), changed))
+        self._send(link.Outputs.of(held, changed))
 
     def serve(self) -> None:
         """Run the front end's messages until it says to stop or the link closes."""
@@ -117,7 +117,7 @@ class EngineHost:
                 FinishReason.ABORT, message=f"the engine refused the request: {exc}", cause=AbortCause.INTERNAL
             )
             out = RequestOutput(message.request_id, (), "", 0, len(message.prompt_ids), 0, finish=finish, output_ids=())
-            self._send(link.Outputs((out,), None))
+            self._send(link.Outputs.of((out,), None))
 
     def _answer(self, engine: Engine, probe: link.Probe) -> None:
         value: bool | str | None

@@ -189,7 +189,7 @@ class EngineProcess:
         if message.stats is not None:
             self._stats = message.stats  # before any sink runs, as the engine publishes them
         sinks = self._sinks
-        for out in message.outputs:
+        for out in message.outputs():
             sink = sinks.pop(out.request_id, None) if out.finished else sinks.get(out.request_id)
             if sink is not None:
                 sink(out)
