@@ -24,18 +24,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from engine.config import EngineConfig
-from engine.constraint import JsonSchemaMode
-from engine.grammar_calls import GrammarBackend
-from engine.model.folder import model_dir, model_vocab_size
-from engine.scheduler.engine import Engine
-from engine.step import StepRunner
 from services import event_loop
-from services.flags import DEFAULT_PORT, add_engine_args, add_json_schema_args, engine_config, json_schema_mode
-from services.grammar_client import GrammarServiceError, RemoteGrammar
-from services.metrics import serve_metrics
+from services.flags import DEFAULT_PORT, add_engine_args, add_json_schema_args
+from services.scheduler.engine_parts import build_engine
 from services.scheduler.engine_proxy import EngineProcess, EngineProcessError
-from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.server import SchedulerServer
 from services.scheduler.servicer import ServedEngine
 
@@ -80,41 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def step_runner(args: argparse.Namespace) -> StepRunner | None:
-    if args.executor is None:
-        return None  # Engine builds the in-process ModelRunner
-    from services.remote_runner import RemoteRunner  # lazily: only a remote setup needs the executor client
-
-    runner: StepRunner = RemoteRunner.connect(args.executor, args.executor_timeout)
-    return runner
-
-
-def grammar_backend(
-    args: argparse.Namespace, config: EngineConfig, runner: StepRunner | None, metrics: SchedulerMetrics
-) -> GrammarBackend | None:
-    """The grammar service of ``--grammar``, checked to mask exactly the model's vocabulary; without it an
-    in-process registry when the model is loaded here too, else None (constraints refused)."""
-    if args.grammar is None:
-        if runner is not None:
-            return None
-        # Lazily: a scheduler with a remote executor and grammar service never loads the grammar engine.
-        from engine.grammar import CompilerConfig, IntegerRange
-        from engine.grammar.backend import LocalGrammar
-        from services.grammar.metrics import GrammarMetrics
-
-        compiler = CompilerConfig(
-            json_schema_mode=JsonSchemaMode(json_schema_mode(args)),
-            json_integer_range=IntegerRange(args.json_integer_range),
-            json_max_whitespace=args.json_whitespace,
-        )
-        return LocalGrammar(str(model_dir(config)), config=compiler, observer=GrammarMetrics(metrics.registry))
-    vocab = runner.info.vocab_size if runner is not None else model_vocab_size(model_dir(config))
-    try:
-        return RemoteGrammar.connect(args.grammar, args.grammar_timeout, vocab_size=vocab)
-    except GrammarServiceError as exc:
-        raise SystemExit(f"scheduler: {exc}") from None
-
-
 async def _serve(engine: ServedEngine, args: argparse.Namespace, lost: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM or SIGINT, or until ``lost`` is set (the engine process is gone)."""
     server = SchedulerServer(engine, args.served_model_name, args.executor, args.grammar)
@@ -152,21 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.engine_process == "on":
         return event_loop.run(_serve_front_end(args, argv))
-    metrics = SchedulerMetrics()
-    config = engine_config(args)
-    runner = step_runner(args)
-    grammar = grammar_backend(args, config, runner, metrics)
-    engine = Engine(config, runner, observer=metrics, grammar=grammar)
-    metrics.watch(engine.stats)
-    metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
+    parts = build_engine(args)
     try:
-        event_loop.run(_serve(engine, args))
+        event_loop.run(_serve(parts.engine, args))
     finally:
-        engine.shutdown()
-        if isinstance(grammar, RemoteGrammar):
-            grammar.close()
-        if metrics_server is not None:
-            metrics_server.close()
+        parts.close()
     return 0
 
 

@@ -28,13 +28,12 @@ from types import FrameType
 
 from engine.errors import InvalidRequestError
 from engine.finish import AbortCause, Finish, FinishReason
-from engine.grammar_calls import GrammarBackend
 from engine.scheduler.engine import Engine
 from engine.scheduler.request import RequestOutput
 from engine.scheduler.scheduler import SchedulerStats
-from services.metrics import serve_metrics
 from services.scheduler import engine_link as link
-from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.__main__ import build_parser as scheduler_parser
+from services.scheduler.engine_parts import build_engine
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +142,7 @@ class EngineHost:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.scheduler.__main__ import build_parser as scheduler_parser  # the same flags as the front end
-
-    parser = scheduler_parser()
+    parser = scheduler_parser()  # the same flags as the front end
     parser.prog = "python -m services.scheduler.engine_process"
     parser.add_argument("--link-fd", type=int, required=True, help="the socket to the front end (inherited)")
     return parser
@@ -163,35 +160,20 @@ def _signals(front_end: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from services.scheduler.__main__ import grammar_backend, step_runner  # the one-process scheduler's own builders
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _signals(os.getppid())
     sock = socket.socket(fileno=args.link_fd)
     host = EngineHost(sock)
-    metrics = SchedulerMetrics()
-    from services.flags import engine_config
-
-    config = engine_config(args)
-    runner = step_runner(args)
-    grammar: GrammarBackend | None = grammar_backend(args, config, runner, metrics)
-    engine = Engine(config, runner, observer=metrics, grammar=grammar, flush=host.flush)
-    metrics.watch(engine.stats)
-    metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
+    parts = build_engine(args, flush=host.flush)
     try:
-        host.attach(engine)
+        host.attach(parts.engine)
         host.serve()
     except _FrontEndGone:
         log.info("the scheduler's front end is gone: the engine process stops")
     finally:
-        engine.shutdown()
+        parts.close()
         host.close()
-        close = getattr(grammar, "close", None)
-        if callable(close):
-            close()
-        if metrics_server is not None:
-            metrics_server.close()
         sock.close()
     return 0
 
