@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig, SpeculativeConfig
@@ -25,10 +26,11 @@ from engine.executor.proposers import load_proposer
 from engine.executor.sampler import Sampler, SamplingState
 from engine.executor.verify import Verdict, Verifier, VerifyItem
 from engine.grammar_calls import GrammarBackend
+from engine.kv.page_table import PageTable
 from engine.kv.pool import KVPool
 from engine.model.attention_backend import attention_backend
 from engine.model.folder import model_dir
-from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
+from engine.model.forward_batch import ForwardBatch, LogitsMode, PageRows, SeqInput
 from engine.model.graphs import DecodeGraphs, GraphMode
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
@@ -110,6 +112,7 @@ class ModelRunner:
         self._proposer = proposer
         self._spec = spec if spec is not None else SpeculativeConfig()
         self._slots: dict[int, SlotBuffer] = {}
+        self._page_table = PageTable()  # every slot's pages, mirrored for batch building (SlotBuffer.pages rules)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-runner")
 
     @classmethod
@@ -215,7 +218,8 @@ class ModelRunner:
         pending = self._start_masks([resolved[i] for i in sampling], [drafts.drafts[i] for i in sampling], first_row)
         try:
             seqs = [_seq_input(r, d) for r, d in zip(resolved, drafts.drafts, strict=True)]
-            batch = ForwardBatch.build(seqs, self._kv.page_size, self._device)
+            rows = np.fromiter((r.entry.slot for r in resolved), dtype=np.int64, count=len(resolved))  # [S]
+            batch = ForwardBatch.build(seqs, self._kv.page_size, self._device, PageRows(self._page_table.array, rows))
             forward_started = time.perf_counter() - started
             cpu = time.thread_time()
             logits = self._forward(batch)  # [logits rows: 1 per sampling entry, 1 + m per draft of m, V]
@@ -268,7 +272,11 @@ class ModelRunner:
                 + ("this executor has no draft proposer" if self._proposer is None else "only a decode has drafts")
             )
         tokens = self._input_run(entry, buf)
-        pages: Sequence[int] = (*buf.pages, *entry.new_pages) if entry.new_pages else buf.pages
+        pages: Sequence[int] = buf.pages
+        if entry.new_pages:
+            pages = (*buf.pages, *entry.new_pages)
+            # Past the slot's own pages, so nothing of its state moves yet: a refused step's entry writes them again.
+            self._page_table.write(entry.slot, len(buf.pages), entry.new_pages)
         end = buf.seq_len + len(tokens) + entry.num_draft
         if len(pages) * self._kv.page_size < end:
             raise ProtocolError(f"request {entry.request_id}: {len(pages)} pages do not cover positions [0, {end})")

@@ -80,6 +80,16 @@ class SeqInput:
 
 
 @dataclass(frozen=True, eq=False)
+class PageRows:
+    """The batch's page tables as rows of one persistent array (engine/kv/page_table.py): sequence ``s``'s pages are
+    ``array[rows[s], :len(seqs[s].page_table)]``, the same ids as its ``page_table``. Lets a step gather every page
+    table at once instead of copying each one."""
+
+    array: npt.NDArray[np.int64]  # [N, W] one row per slot
+    rows: npt.NDArray[np.int64]  # [S] the row of each sequence
+
+
+@dataclass(frozen=True, eq=False)
 class DecodeGroup:
     """Every decode-attended query of the batch (single tokens, and short runs after cached context, one query per
     token), attended together in one call.
@@ -179,17 +189,20 @@ class ForwardBatch:
         return int(self.logits_rows.shape[0])
 
     @classmethod
-    def build(cls, seqs: Sequence[SeqInput], page_size: int, device: torch.device | str) -> ForwardBatch:
+    def build(
+        cls, seqs: Sequence[SeqInput], page_size: int, device: torch.device | str, pages: PageRows | None = None
+    ) -> ForwardBatch:
         """Validate page tables and precompute ids, positions, write slots, attention indices and masks.
 
         Index arithmetic runs on host numpy arrays with no per-token Python, then moves to ``device``: this
-        runs once per step and must stay small next to a decode forward.
+        runs once per step and must stay small next to a decode forward. ``pages``: the same page tables as rows of
+        a persistent array, gathered at once (the executor's); without it each sequence's list is copied.
         """
         if not seqs:
             raise ValueError("ForwardBatch.build needs at least one sequence")
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        layout = _HostLayout.of(seqs, page_size)
+        layout = _HostLayout.of(seqs, page_size, pages)
         positions = layout.positions()  # [T] KV positions (layout slots)
         decode_runs = _decode_runs(layout, seqs)  # [S]
         rows_page = layout.page_tables[layout.seq_of_row, positions // page_size]  # [T]
@@ -222,21 +235,23 @@ class _HostLayout:
     page_tables: _Ints  # [S, P] those pages, 0-padded
 
     @classmethod
-    def of(cls, seqs: Sequence[SeqInput], page_size: int) -> _HostLayout:
+    def of(cls, seqs: Sequence[SeqInput], page_size: int, pages: PageRows | None = None) -> _HostLayout:
         count = len(seqs)
         # Lists, not generators, feed numpy: this runs once per step over every sequence of the batch.
         lens = np.array([len(seq.token_ids) for seq in seqs], dtype=np.int64)  # [S]
         starts = np.array([seq.start_pos for seq in seqs], dtype=np.int64)  # [S]
         row_starts = np.zeros(count + 1, dtype=np.int64)  # [S + 1]
         np.cumsum(lens, out=row_starts[1:])
-        page_counts, page_tables = _page_tables(seqs, page_size, -(-(starts + lens) // page_size))
+        needed = -(-(starts + lens) // page_size)  # [S] pages covering positions 0 .. end - 1
+        _check_page_counts(seqs, page_size, needed)
+        page_tables = _copied_tables(seqs, needed) if pages is None else _gathered_tables(pages, needed)
         return cls(
             page_size=page_size,
             lens=lens,
             starts=starts,
             row_starts=row_starts,
             seq_of_row=np.repeat(np.arange(count, dtype=np.int64), lens),  # [T]
-            page_counts=page_counts,
+            page_counts=needed,
             page_tables=page_tables,
         )
 
@@ -264,17 +279,22 @@ class _HostLayout:
         return np.flatnonzero(keep).astype(np.int64)  # [R]
 
 
-def _page_tables(seqs: Sequence[SeqInput], page_size: int, needed: _Ints) -> tuple[_Ints, _Ints]:
-    """Page counts [S] (``needed``: the pages covering each sequence's positions) and the 0-padded prefixes of the
-    page tables this step touches [S, P]; validated."""
+def _check_page_counts(seqs: Sequence[SeqInput], page_size: int, needed: _Ints) -> None:
+    have = np.fromiter((len(seq.page_table) for seq in seqs), dtype=np.int64, count=len(seqs))  # [S]
+    short = np.flatnonzero(have < needed)
+    if short.size:
+        index = int(short[0])
+        seq, count = seqs[index], int(needed[index])
+        raise ValueError(
+            f"seq {index}: page_table has {len(seq.page_table)} pages of {page_size} tokens but positions "
+            f"0..{seq.end_pos - 1} (start_pos {seq.start_pos} + {len(seq.token_ids)} new tokens) "
+            f"need {count} pages"
+        )
+
+
+def _copied_tables(seqs: Sequence[SeqInput], needed: _Ints) -> _Ints:
+    """[S, P] the pages each sequence's positions need, copied from its list, 0-padded; validated."""
     counts = needed.tolist()
-    for index, (seq, count) in enumerate(zip(seqs, counts, strict=True)):
-        if len(seq.page_table) < count:
-            raise ValueError(
-                f"seq {index}: page_table has {len(seq.page_table)} pages of {page_size} tokens but positions "
-                f"0..{seq.end_pos - 1} (start_pos {seq.start_pos} + {len(seq.token_ids)} new tokens) "
-                f"need {count} pages"
-            )
     flat = _flat_ints((seq.page_table[:count] for seq, count in zip(seqs, counts, strict=True)), sum(counts))
     if int(flat.min()) < 0:
         index = int(np.searchsorted(np.cumsum(counts), int(flat.argmin()), side="right"))
@@ -283,7 +303,20 @@ def _page_tables(seqs: Sequence[SeqInput], page_size: int, needed: _Ints) -> tup
     tables = np.zeros((len(seqs), int(needed.max())), dtype=np.int64)  # [S, P]
     # Row-major boolean assignment fills each row's leading needed[s] entries in order.
     tables[np.arange(tables.shape[1])[None, :] < needed[:, None]] = flat
-    return needed, tables
+    return tables
+
+
+def _gathered_tables(pages: PageRows, needed: _Ints) -> _Ints:
+    """[S, P] the same, gathered from the persistent rows: what lies past a sequence's own pages is zeroed, so that no
+    page of another request (an earlier one of the slot) is ever named."""
+    width = int(needed.max())
+    if width > pages.array.shape[1]:
+        raise ValueError(f"page rows hold {pages.array.shape[1]} pages, a sequence needs {width}")
+    tables = pages.array[pages.rows, :width]  # [S, P] a copy (fancy index)
+    tables[np.arange(width)[None, :] >= needed[:, None]] = 0
+    if int(tables.min()) < 0:
+        raise ValueError(f"seq {int(np.argwhere(tables < 0)[0, 0])}: page rows contain a negative page id")
+    return tables
 
 
 def _flat_ints(parts: Iterable[Sequence[int]], total: int) -> _Ints:
