@@ -97,7 +97,8 @@ async def _drive(streams: int, jobs: list[Job], one: Callable[[Job], AsyncIterat
     return time.perf_counter() - started, timings
 
 
-async def run_grpc(target: str, streams: int, jobs: list[Job]) -> Report:
+async def run_grpc(target: str, streams: int, jobs: list[Job], warm: bool = True) -> Report:
+    """``jobs`` through ``streams`` concurrent streams, after a warm-up batch (``warm``) that is not timed."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.SglangSchedulerStub(channel)
         counter = iter(range(1 << 30))
@@ -120,7 +121,8 @@ async def run_grpc(target: str, streams: int, jobs: list[Job]) -> Report:
                 if response.HasField("chunk") and response.chunk.token_ids:
                     yield len(response.chunk.token_ids)
 
-        await _drive(streams, jobs[:streams], one)  # warm-up
+        if warm:
+            await _drive(streams, jobs[:streams], one)
         wall, timings = await _drive(streams, jobs, one)
     return Report(f"gRPC stack ({target})", wall, timings)
 

@@ -2,7 +2,7 @@
 
 For each proposer (the draft model, n-gram lookup), each kind of prompt (ones that repeat themselves, n-gram's home
 ground, and ones that do not) and each concurrency (1, 8, 32 streams), the same greedy requests run through the
-services as users run them (executor and scheduler processes, loopback gRPC, streams from this process), four ways:
+services as users run them (executor and scheduler processes, loopback gRPC, streams from this process), five ways:
 
     plain          no speculation, overlap on (the default serving mode): the baseline
     spec           speculation, overlap off (the scheduler commits step N before launching N+1)
@@ -10,6 +10,12 @@ services as users run them (executor and scheduler processes, loopback gRPC, str
                    on the executor before the scheduler has committed them)
     fixed          spec+overlap with the adaptive rule off (every decode drafts the full depth): what "never
                    slower" protects against
+    again          plain once more, on a stack of its own (A/A: again / plain): how far two identical servers
+                   measured in turn differ in this run, the resolution of every ratio in its row
+
+The modes' stacks are all up at once and take turns: each workload is cut into ``--rounds`` segments and every
+segment runs on every mode before the next (in a rotating order), so that the machine's drift (10% within minutes
+on a shared machine) falls on every mode alike instead of on whichever ran last.
 
 Printed: output tokens per second of wall time for each, the acceptance length (tokens per verify: accepted drafts
 plus the sampled one), and the ratios spec+overlap / plain and spec+overlap / spec. Targets (issue 15): >= 2x at one
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -102,6 +109,7 @@ class Row:
     spec: Run
     overlapped: Run
     fixed: Run
+    again: Run  # plain once more, on a stack of its own: plain again / plain is this run's noise floor
 
 
 def _prompts(tokenizer: Tokenizer, kind: str, n: int, max_new: int) -> list[Job]:
@@ -121,12 +129,56 @@ def _spec_counts(target: str) -> tuple[float, float]:
     return fields["spec_verify_steps"].number_value, fields["spec_accepted_tokens"].number_value
 
 
-def _measure(target: str, jobs: list[Job], streams: int) -> Run:
+@dataclass(frozen=True)
+class _Mode:
+    """One way of serving the bench compares: the flags its stack starts with, and the jobs it runs."""
+
+    flags: list[str]
+    constrained: bool = False  # the jobs carry the grammar's regex
+
+
+def _interleaved(
+    target: Path,
+    modes: dict[str, _Mode],
+    workloads: dict[tuple[str, int], list[Job]],
+    cores: Cores | None,
+    rounds: int,
+    grammar: bool = False,
+) -> dict[str, dict[tuple[str, int], Run]]:
+    """Every workload on every mode, the modes' stacks all up at once (an idle stack costs nothing) and measured in
+    turn: each workload is cut into ``rounds`` segments, and each segment runs on every mode before the next, in an
+    order that rotates. The machine's speed drifts by 10% from one minute to the next; measured one mode after the
+    other, that drift was all a ratio near 1.0 showed, measured in turn it falls on every mode alike.
+    Per mode and workload: output tokens over wall time summed over the segments, and the acceptance length."""
+    names = list(modes)
+    with contextlib.ExitStack() as stacks:
+        up = {name: stacks.enter_context(spawned_stack(target, modes[name].flags, grammar, cores)) for name in names}
+        runs: dict[str, dict[tuple[str, int], Run]] = {name: {} for name in names}
+        for key, jobs in workloads.items():
+            streams = key[1]
+            totals = {name: [0.0, 0.0, 0.0, 0.0] for name in names}  # tokens, wall, verify steps, accepted
+            segment = -(-len(jobs) // rounds)
+            for r in range(rounds):
+                part = jobs[r * segment : (r + 1) * segment]
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    mode_jobs = [replace(j, regex=GRAMMAR_REGEX) for j in part] if modes[name].constrained else part
+                    _add(totals[name], _measure(up[name].target, mode_jobs, streams, warm=r == 0))
+            for name in names:
+                tokens, wall, steps, accepted = totals[name]
+                runs[name][key] = Run(tokens / wall, (accepted + steps) / steps if steps else 0.0)
+    return runs
+
+
+def _measure(target: str, jobs: list[Job], streams: int, warm: bool) -> tuple[float, float, float, float]:
     steps0, accepted0 = _spec_counts(target)
-    report = asyncio.run(run_grpc(target, streams, jobs))
+    report = asyncio.run(run_grpc(target, streams, jobs, warm=warm))
     steps1, accepted1 = _spec_counts(target)
-    steps, accepted = steps1 - steps0, accepted1 - accepted0
-    return Run(report.tokens_per_s, (accepted + steps) / steps if steps else 0.0)
+    return sum(t.tokens for t in report.timings), report.wall, steps1 - steps0, accepted1 - accepted0
+
+
+def _add(total: list[float], part: tuple[float, float, float, float]) -> None:
+    for i, value in enumerate(part):
+        total[i] += value
 
 
 def _mode_flags(
@@ -151,36 +203,27 @@ def _mode_flags(
     return flags
 
 
-def _runs(
-    target: Path,
-    flags: list[str],
-    workloads: dict[tuple[str, int], list[Job]],
-    cores: Cores | None,
-    grammar: bool = False,
-) -> dict[tuple[str, int], Run]:
-    """Every workload through one stack started with ``flags`` (executor and scheduler processes, loopback gRPC;
-    with ``grammar`` a grammar service too)."""
-    with spawned_stack(target, flags, grammar=grammar, cores=cores) as stack:
-        return {key: _measure(stack.target, jobs, key[1]) for key, jobs in workloads.items()}
-
-
 def bench(args: argparse.Namespace) -> list[Row]:
     target = model_dir(EngineConfig(model_path=args.target))
     tokenizer = Tokenizer.from_dir(target)
     workloads = {
-        (kind, streams): _prompts(tokenizer, kind, max(streams * args.rounds, args.min_requests), args.max_new)
+        (kind, streams): _prompts(tokenizer, kind, _requests(streams, args), args.max_new)
         for kind in ("repeating", "fresh")
         for streams in args.streams
     }
-    plain = _runs(target, _mode_flags(None, None, True, True, args), workloads, args.cores)
     rows = []
     for algorithm in args.algorithms:
         draft = _draft(algorithm, args)
-        spec = _runs(target, _mode_flags(algorithm, draft, False, True, args), workloads, args.cores)
-        overlapped = _runs(target, _mode_flags(algorithm, draft, True, True, args), workloads, args.cores)
-        fixed = _runs(target, _mode_flags(algorithm, draft, True, False, args), workloads, args.cores)
+        modes = {
+            "plain": _Mode(_mode_flags(None, None, True, True, args)),
+            "spec": _Mode(_mode_flags(algorithm, draft, False, True, args)),
+            "overlapped": _Mode(_mode_flags(algorithm, draft, True, True, args)),
+            "fixed": _Mode(_mode_flags(algorithm, draft, True, False, args)),
+            "again": _Mode(_mode_flags(None, None, True, True, args)),
+        }
+        runs = _interleaved(target, modes, workloads, args.cores, args.rounds)
         for key in workloads:
-            rows.append(Row(algorithm, key[0], key[1], plain[key], spec[key], overlapped[key], fixed[key]))
+            rows.append(Row(algorithm, key[0], key[1], *(runs[name][key] for name in modes)))
             _print_row(rows[-1])
     return rows
 
@@ -200,29 +243,33 @@ def bench_grammar(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Gramma
     """The constrained comparison (see the module docstring), every mode in a stack of its own."""
     target = model_dir(EngineConfig(model_path=args.target))
     free = {
-        ("repeating", streams): _prompts(
-            tokenizer, "repeating", max(streams * args.rounds, args.min_requests), args.max_new
-        )
+        ("repeating", streams): _prompts(tokenizer, "repeating", _requests(streams, args), args.max_new)
         for streams in args.grammar_streams
     }
-    constrained = {key: [replace(job, regex=GRAMMAR_REGEX) for job in jobs] for key, jobs in free.items()}
-    grammar = _runs(target, _mode_flags(None, None, True, True, args), constrained, args.cores, grammar=True)
     rows = []
     for algorithm in args.algorithms:
         draft = _draft(algorithm, args)
         on = _mode_flags(algorithm, draft, True, True, args)
-        spec = _runs(target, on, free, args.cores, grammar=True)
-        delayed = _runs(target, [*on, "--grammar-overlap", "on"], constrained, args.cores, grammar=True)
-        early = _runs(target, [*on, "--grammar-overlap", "off"], constrained, args.cores, grammar=True)
-        masked: dict[tuple[str, int], Run] = {}
+        modes = {
+            "spec": _Mode(on),
+            "grammar": _Mode(_mode_flags(None, None, True, True, args), constrained=True),
+            "delayed": _Mode([*on, "--grammar-overlap", "on"], constrained=True),
+            "early": _Mode([*on, "--grammar-overlap", "off"], constrained=True),
+        }
         if algorithm == "draft":
             under = [*on, "--grammar-overlap", "on", "--speculative-draft-grammar", "on"]
-            masked = _runs(target, under, constrained, args.cores, grammar=True)
+            modes["masked"] = _Mode(under, constrained=True)
+        runs = _interleaved(target, modes, free, args.cores, args.rounds, grammar=True)
         for key in free:
-            row = GrammarRow(algorithm, key[1], spec[key], grammar[key], delayed[key], early[key], masked.get(key))
-            rows.append(row)
+            row = GrammarRow(algorithm, key[1], *(runs[name][key] for name in ("spec", "grammar", "delayed", "early")))
+            rows.append(replace(row, masked=runs["masked"][key] if "masked" in runs else None))
             _print_grammar_row(rows[-1])
     return rows
+
+
+def _requests(streams: int, args: argparse.Namespace) -> int:
+    """Requests per workload: every round a batch of ``streams`` at least, ``min_requests`` in all at least."""
+    return max(streams * args.rounds, args.min_requests)
 
 
 def _draft(algorithm: str, args: argparse.Namespace) -> Path | None:
@@ -283,7 +330,7 @@ def traversal_per_node(target: Path, tokenizer: Tokenizer, depth: int) -> None:
 
 _HEADER = (
     f"{'proposer':>8} {'prompts':>9} {'streams':>7} | {'plain':>7} {'spec':>7} {'spec+ov':>7} {'fixed':>7} tok/s | "
-    f"{'acc len':>7} {'fixed':>6} | {'ov/plain':>8} {'ov/spec':>7} {'fixed/plain':>11}"
+    f"{'acc len':>7} {'fixed':>6} | {'ov/plain':>8} {'ov/spec':>7} {'fixed/plain':>11} | {'A/A':>5}"
 )
 
 
@@ -292,7 +339,8 @@ def _print_row(r: Row) -> None:
         f"{r.algorithm:>8} {r.prompts:>9} {r.streams:>7} | {r.plain.tokens_per_s:7.0f} {r.spec.tokens_per_s:7.0f} "
         f"{r.overlapped.tokens_per_s:7.0f} {r.fixed.tokens_per_s:7.0f}       | {r.overlapped.accept_length:7.2f} "
         f"{r.fixed.accept_length:6.2f} | {r.overlapped.tokens_per_s / r.plain.tokens_per_s:7.2f}x "
-        f"{r.overlapped.tokens_per_s / r.spec.tokens_per_s:6.2f}x {r.fixed.tokens_per_s / r.plain.tokens_per_s:10.2f}x",
+        f"{r.overlapped.tokens_per_s / r.spec.tokens_per_s:6.2f}x {r.fixed.tokens_per_s / r.plain.tokens_per_s:10.2f}x "
+        f"| {r.again.tokens_per_s / r.plain.tokens_per_s:4.2f}x",
         flush=True,
     )
 
@@ -306,7 +354,9 @@ def main() -> None:
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: the embedded draft)")
     parser.add_argument("--steps", type=int, default=4, help="--speculative-num-steps")
     parser.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk")
-    parser.add_argument("--rounds", type=int, default=2, help="batches of `streams` requests per measurement")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="segments of each workload, each run on every mode in turn"
+    )
     parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--grammar-streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--no-grammar", action="store_true", help="skip the constrained comparison")
