@@ -18,7 +18,10 @@ tokens/msg: the stream chunks the clients received per step and the tokens each 
 gets several tokens in one chunk. A scheduler whose CPU per step nears the step time is saturated: its streams then
 fall behind and coalesce.)
 
-Targets at 128 streams (issue 14): scheduler <= 3 ms of CPU per step, executor outside the forward <= 2 ms.
+Targets at 128 streams (issue 14): scheduler <= 3 ms of CPU per step, executor outside the forward <= 2 ms. With the
+scheduler as two processes (the default) each has its column: "loop" is the engine process, whose CPU per step is
+what keeps the accelerator waiting; "front" is the gRPC front end writing the streams beside it, on its own core;
+"total" is their sum.
 
     .venv/bin/python bench/host_overhead.py [--streams 8 32 128] [--steps 150]
 """
