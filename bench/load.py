@@ -182,10 +182,12 @@ def spawned_stack(
     grammar: bool = False,
     cores: Cores | None = None,
     scheduler_args: Sequence[str] = (),
+    grammar_args: Sequence[str] = (),
 ) -> Iterator[SpawnedStack]:
     """Start executor and scheduler (and with ``grammar`` a grammar service both use) as their own processes on
     loopback; yield the scheduler's address and the pids. ``cores``: pin the executor and the others apart.
-    ``scheduler_args``: flags for the scheduler only (``--engine-process off``)."""
+    ``scheduler_args``: flags for the scheduler only (``--engine-process off``); ``grammar_args`` for the grammar
+    service."""
     rest = cores.rest if cores is not None else None
     own = cores.executor if cores is not None else None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -194,6 +196,7 @@ def spawned_stack(
         links: list[str] = []
         if grammar:
             grammar_cmd = [sys.executable, "-m", "services.grammar", "--port", "0", "--model", str(model)]
+            grammar_cmd += grammar_args
             service = _start(grammar_cmd, env, rest)
             procs.append(service)
             links = ["--grammar", f"127.0.0.1:{_ready_port(service, 'GRAMMAR_READY')}"]

@@ -36,7 +36,9 @@ draft node), the model's own continuation is allowed, so the ratio delayed / spe
 alone (target >= 0.9) and delayed / early is what overlapping it buys (target >= 1.1). EOS is banned until max_new in
 every row (min_new_tokens), so constrained and free requests write the same text but where it would hold a banned
 character. Last, the mask work itself: a chain draft's masks traversed in process (xgrammar's traverse_draft_tree
-over the compiled regex and a JSON schema), time per node p50 / p99.
+over the compiled regex and a JSON schema), time per node p50 / p99. Under each constrained row, where a step's time
+went in each mode (StepShare, from the executor's GetState): the wall time per executor step, the step's own time
+on the executor, of it the time before the forward, in it, and waiting for masks past it.
 
     .venv/bin/python bench/spec.py [--streams 1 8 32] [--max-new 96] [--algorithms draft ngram]
         [--target PATH] [--draft PATH] [--steps 4] [--topk 1] [--grammar-streams 1 32] [--no-grammar]
@@ -51,7 +53,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -61,7 +63,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.load import Cores, Job, run_grpc, spawned_stack
+from bench.load import Cores, Job, SpawnedStack, run_grpc, spawned_stack
 from engine.config import EngineConfig
 from engine.constraint import Constraint, ConstraintKind
 from engine.executor.proposers import draft_dir
@@ -70,6 +72,8 @@ from engine.grammar.matcher import VersionedMatcher
 from engine.grammar_calls import DraftTree
 from engine.model.folder import model_dir
 from engine.model.tokenizer import Tokenizer
+from protos import executor_pb2 as epb
+from protos import executor_pb2_grpc as epb_grpc
 
 # Prompts whose continuation repeats what they hold (lists, code, a passage to copy), and ones that do not.
 _REPEATING = (
@@ -98,6 +102,53 @@ _FRESH = (
 class Run:
     tokens_per_s: float
     accept_length: float
+    step: StepShare | None = None  # where a step's time went
+
+
+@dataclass(frozen=True)
+class StepShare:
+    """Per executor step, in ms: the run's wall time (``period``; at one stream the step's own time plus the
+    executor's idle gap before the next), the step's time on the executor (``busy``), and of it the time before
+    the forward (``before``: the batch, the draft, asking for masks), in the forward, and waiting for masks past
+    the forward (``mask_wait``, per constrained step)."""
+
+    period: float
+    busy: float
+    before: float
+    forward: float
+    mask_wait: float
+
+    def describe(self) -> str:
+        return f"{self.period:5.2f} {self.busy:5.2f} {self.before:5.2f} {self.forward:5.2f} {self.mask_wait:5.2f}"
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """Counters read before and after a segment; the difference is the segment's."""
+
+    tokens: float = 0.0
+    wall: float = 0.0
+    verifies: float = 0.0  # the scheduler's
+    accepted: float = 0.0
+    steps: float = 0.0  # the executor's (GetState)
+    busy: float = 0.0
+    before: float = 0.0
+    forward: float = 0.0
+    masked: float = 0.0
+    mask_wait: float = 0.0
+
+    def __add__(self, other: _Counts) -> _Counts:
+        return _Counts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __sub__(self, other: _Counts) -> _Counts:
+        return _Counts(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def run(self) -> Run:
+        accept = (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
+        ms = 1e3 / self.steps
+        wait = 1e3 * self.mask_wait / self.masked if self.masked else 0.0
+        step = StepShare(self.wall * ms, self.busy * ms, self.before * ms, self.forward * ms, wait)
+        return Run(self.tokens / self.wall, accept, step)
 
 
 @dataclass(frozen=True)
@@ -112,7 +163,7 @@ class Row:
     again: Run  # plain once more, on a stack of its own: plain again / plain is this run's noise floor
 
 
-def _prompts(tokenizer: Tokenizer, kind: str, n: int, max_new: int) -> list[Job]:
+def prompts(tokenizer: Tokenizer, kind: str, n: int, max_new: int) -> list[Job]:
     texts = _REPEATING if kind == "repeating" else _FRESH
     # EOS is banned until max_new (min_new_tokens): every request, constrained or not, writes max_new tokens of text.
     # ignore_eos alone would let free requests run on past EOS into chat-template tokens (which n-gram lookup predicts
@@ -122,24 +173,30 @@ def _prompts(tokenizer: Tokenizer, kind: str, n: int, max_new: int) -> list[Job]
     ]
 
 
-def _spec_counts(target: str) -> tuple[float, float]:
-    with grpc.insecure_channel(target) as channel:
+def _counts(stack: SpawnedStack) -> _Counts:
+    """The scheduler's verify steps and accepted tokens; the executor's steps and where their time went."""
+    with grpc.insecure_channel(stack.target) as channel:
         info = pb_grpc.SglangSchedulerStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    with grpc.insecure_channel(stack.executor) as channel:
+        s = epb_grpc.ExecutorStub(channel).GetState(epb.StateRequest(), timeout=30)
     fields = info.scheduler_info.fields
-    return fields["spec_verify_steps"].number_value, fields["spec_accepted_tokens"].number_value
+    verifies, accepted = fields["spec_verify_steps"].number_value, fields["spec_accepted_tokens"].number_value
+    timing = (s.busy_seconds, s.before_forward_seconds, s.forward_seconds, s.masked_steps, s.mask_wait_seconds)
+    return _Counts(0.0, 0.0, verifies, accepted, float(s.steps), *map(float, timing))
 
 
 @dataclass(frozen=True)
-class _Mode:
+class Mode:
     """One way of serving the bench compares: the flags its stack starts with, and the jobs it runs."""
 
     flags: list[str]
     constrained: bool = False  # the jobs carry the grammar's regex
+    grammar_flags: tuple[str, ...] = ()  # for the grammar service (in a constrained comparison)
 
 
-def _interleaved(
+def interleaved(
     target: Path,
-    modes: dict[str, _Mode],
+    modes: dict[str, Mode],
     workloads: dict[tuple[str, int], list[Job]],
     cores: Cores | None,
     rounds: int,
@@ -152,36 +209,37 @@ def _interleaved(
     Per mode and workload: output tokens over wall time summed over the segments, and the acceptance length."""
     names = list(modes)
     with contextlib.ExitStack() as stacks:
-        up = {name: stacks.enter_context(spawned_stack(target, modes[name].flags, grammar, cores)) for name in names}
+        up = {
+            name: stacks.enter_context(
+                spawned_stack(target, mode.flags, grammar, cores, grammar_args=mode.grammar_flags)
+            )
+            for name, mode in modes.items()
+        }
         runs: dict[str, dict[tuple[str, int], Run]] = {name: {} for name in names}
         for key, jobs in workloads.items():
             streams = key[1]
-            totals = {name: [0.0, 0.0, 0.0, 0.0] for name in names}  # tokens, wall, verify steps, accepted
+            totals = {name: _Counts() for name in names}
             segment = -(-len(jobs) // rounds)
             for r in range(rounds):
                 part = jobs[r * segment : (r + 1) * segment]
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     mode_jobs = [replace(j, regex=GRAMMAR_REGEX) for j in part] if modes[name].constrained else part
-                    _add(totals[name], _measure(up[name].target, mode_jobs, streams, warm=r == 0))
+                    totals[name] += _measure(up[name], mode_jobs, streams, warm=r == 0)
             for name in names:
-                tokens, wall, steps, accepted = totals[name]
-                runs[name][key] = Run(tokens / wall, (accepted + steps) / steps if steps else 0.0)
+                runs[name][key] = totals[name].run()
     return runs
 
 
-def _measure(target: str, jobs: list[Job], streams: int, warm: bool) -> tuple[float, float, float, float]:
-    steps0, accepted0 = _spec_counts(target)
-    report = asyncio.run(run_grpc(target, streams, jobs, warm=warm))
-    steps1, accepted1 = _spec_counts(target)
-    return sum(t.tokens for t in report.timings), report.wall, steps1 - steps0, accepted1 - accepted0
+def _measure(stack: SpawnedStack, jobs: list[Job], streams: int, warm: bool) -> _Counts:
+    if warm:  # a warm-up batch, untimed and outside the counts
+        asyncio.run(run_grpc(stack.target, streams, jobs[:streams], warm=False))
+    before = _counts(stack)
+    report = asyncio.run(run_grpc(stack.target, streams, jobs, warm=False))
+    timed = _Counts(sum(t.tokens for t in report.timings), report.wall)
+    return timed + (_counts(stack) - before)
 
 
-def _add(total: list[float], part: tuple[float, float, float, float]) -> None:
-    for i, value in enumerate(part):
-        total[i] += value
-
-
-def _mode_flags(
+def mode_flags(
     algorithm: str | None, draft: Path | None, overlap: bool, adaptive: bool, args: argparse.Namespace
 ) -> list[str]:
     flags = [
@@ -207,7 +265,7 @@ def bench(args: argparse.Namespace) -> list[Row]:
     target = model_dir(EngineConfig(model_path=args.target))
     tokenizer = Tokenizer.from_dir(target)
     workloads = {
-        (kind, streams): _prompts(tokenizer, kind, _requests(streams, args), args.max_new)
+        (kind, streams): prompts(tokenizer, kind, requests(streams, args), args.max_new)
         for kind in ("repeating", "fresh")
         for streams in args.streams
     }
@@ -215,13 +273,13 @@ def bench(args: argparse.Namespace) -> list[Row]:
     for algorithm in args.algorithms:
         draft = _draft(algorithm, args)
         modes = {
-            "plain": _Mode(_mode_flags(None, None, True, True, args)),
-            "spec": _Mode(_mode_flags(algorithm, draft, False, True, args)),
-            "overlapped": _Mode(_mode_flags(algorithm, draft, True, True, args)),
-            "fixed": _Mode(_mode_flags(algorithm, draft, True, False, args)),
-            "again": _Mode(_mode_flags(None, None, True, True, args)),
+            "plain": Mode(mode_flags(None, None, True, True, args)),
+            "spec": Mode(mode_flags(algorithm, draft, False, True, args)),
+            "overlapped": Mode(mode_flags(algorithm, draft, True, True, args)),
+            "fixed": Mode(mode_flags(algorithm, draft, True, False, args)),
+            "again": Mode(mode_flags(None, None, True, True, args)),
         }
-        runs = _interleaved(target, modes, workloads, args.cores, args.rounds)
+        runs = interleaved(target, modes, workloads, args.cores, args.rounds)
         for key in workloads:
             rows.append(Row(algorithm, key[0], key[1], *(runs[name][key] for name in modes)))
             _print_row(rows[-1])
@@ -243,23 +301,23 @@ def bench_grammar(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Gramma
     """The constrained comparison (see the module docstring), every mode in a stack of its own."""
     target = model_dir(EngineConfig(model_path=args.target))
     free = {
-        ("repeating", streams): _prompts(tokenizer, "repeating", _requests(streams, args), args.max_new)
+        ("repeating", streams): prompts(tokenizer, "repeating", requests(streams, args), args.max_new)
         for streams in args.grammar_streams
     }
     rows = []
     for algorithm in args.algorithms:
         draft = _draft(algorithm, args)
-        on = _mode_flags(algorithm, draft, True, True, args)
+        on = mode_flags(algorithm, draft, True, True, args)
         modes = {
-            "spec": _Mode(on),
-            "grammar": _Mode(_mode_flags(None, None, True, True, args), constrained=True),
-            "delayed": _Mode([*on, "--grammar-overlap", "on"], constrained=True),
-            "early": _Mode([*on, "--grammar-overlap", "off"], constrained=True),
+            "spec": Mode(on),
+            "grammar": Mode(mode_flags(None, None, True, True, args), constrained=True),
+            "delayed": Mode([*on, "--grammar-overlap", "on"], constrained=True),
+            "early": Mode([*on, "--grammar-overlap", "off"], constrained=True),
         }
         if algorithm == "draft":
             under = [*on, "--grammar-overlap", "on", "--speculative-draft-grammar", "on"]
-            modes["masked"] = _Mode(under, constrained=True)
-        runs = _interleaved(target, modes, free, args.cores, args.rounds, grammar=True)
+            modes["masked"] = Mode(under, constrained=True)
+        runs = interleaved(target, modes, free, args.cores, args.rounds, grammar=True)
         for key in free:
             row = GrammarRow(algorithm, key[1], *(runs[name][key] for name in ("spec", "grammar", "delayed", "early")))
             rows.append(replace(row, masked=runs["masked"][key] if "masked" in runs else None))
@@ -267,7 +325,7 @@ def bench_grammar(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Gramma
     return rows
 
 
-def _requests(streams: int, args: argparse.Namespace) -> int:
+def requests(streams: int, args: argparse.Namespace) -> int:
     """Requests per workload: every round a batch of ``streams`` at least, ``min_requests`` in all at least."""
     return max(streams * args.rounds, args.min_requests)
 
@@ -293,6 +351,12 @@ def _print_grammar_row(r: GrammarRow) -> None:
         f"{r.delayed.tokens_per_s / r.early.tokens_per_s:12.2f}x "
         f"{r.delayed.tokens_per_s / r.grammar.tokens_per_s:14.2f}x | "
         + (f"{r.masked.tokens_per_s:7.0f} {r.masked.accept_length:7.2f}" if r.masked is not None else f"{'-':>7}"),
+        flush=True,
+    )
+    shares = {name: getattr(r, name).step for name in ("spec", "grammar", "delayed", "early")}
+    print(
+        f"{'':>16} ms per step (period, executor, before forward, forward, mask wait): "
+        + " | ".join(f"{name} {share.describe()}" for name, share in shares.items() if share is not None),
         flush=True,
     )
 

@@ -132,6 +132,8 @@ class StepTiming:
 
     ``masks_started`` is when the step asked for its fenced grammar masks (None: no constrained row). With
     delayed sampling it comes before ``forward_started``: the wait at the fence overlaps the forward (C4).
+    ``masks_ready`` is when those masks were in hand, after ``forward_done``: what sampling waited for them past the
+    forward is :attr:`mask_wait_seconds` (the grammar's share of the step's critical path).
     ``forward_cpu`` is the CPU time of the thread that ran the forward, from its start to ``forward_done``.
     ``draft_seconds``: how long the speculative proposer took, before the forward."""
 
@@ -141,10 +143,16 @@ class StepTiming:
     done: float = 0.0
     forward_cpu: float = 0.0
     draft_seconds: float = 0.0
+    masks_ready: float | None = None
 
     @property
     def forward_seconds(self) -> float:
         return self.forward_done - self.forward_started
+
+    @property
+    def mask_wait_seconds(self) -> float | None:
+        """How long sampling waited for the masks after the forward (None: no constrained row)."""
+        return None if self.masks_ready is None else self.masks_ready - self.forward_done
 
 
 @dataclass(frozen=True)

@@ -171,20 +171,22 @@ class RunExtra(_message.Message):
     def __init__(self, run: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., has_top_logprobs: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("masks_started", "forward_started", "forward_done", "done", "forward_cpu", "draft_seconds")
+    __slots__ = ("masks_started", "forward_started", "forward_done", "done", "forward_cpu", "draft_seconds", "masks_ready")
     MASKS_STARTED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_STARTED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_DONE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CPU_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_READY_FIELD_NUMBER: _ClassVar[int]
     masks_started: float
     forward_started: float
     forward_done: float
     done: float
     forward_cpu: float
     draft_seconds: float
-    def __init__(self, masks_started: _Optional[float] = ..., forward_started: _Optional[float] = ..., forward_done: _Optional[float] = ..., done: _Optional[float] = ..., forward_cpu: _Optional[float] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    masks_ready: float
+    def __init__(self, masks_started: _Optional[float] = ..., forward_started: _Optional[float] = ..., forward_done: _Optional[float] = ..., done: _Optional[float] = ..., forward_cpu: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., masks_ready: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "timing", "request_ids", "ordinals", "token_counts", "token_ids", "num_drafted", "num_accepted", "extras")
@@ -239,15 +241,25 @@ class StateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorState(_message.Message):
-    __slots__ = ("buffers", "steps", "session_open", "forward_cpu_seconds", "draft_slots")
+    __slots__ = ("buffers", "steps", "session_open", "forward_cpu_seconds", "draft_slots", "masked_steps", "mask_wait_seconds", "busy_seconds", "before_forward_seconds", "forward_seconds")
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SESSION_OPEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MASKED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MASK_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     buffers: int
     steps: int
     session_open: bool
     forward_cpu_seconds: float
     draft_slots: int
-    def __init__(self, buffers: _Optional[int] = ..., steps: _Optional[int] = ..., session_open: _Optional[bool] = ..., forward_cpu_seconds: _Optional[float] = ..., draft_slots: _Optional[int] = ...) -> None: ...
+    masked_steps: int
+    mask_wait_seconds: float
+    busy_seconds: float
+    before_forward_seconds: float
+    forward_seconds: float
+    def __init__(self, buffers: _Optional[int] = ..., steps: _Optional[int] = ..., session_open: _Optional[bool] = ..., forward_cpu_seconds: _Optional[float] = ..., draft_slots: _Optional[int] = ..., masked_steps: _Optional[int] = ..., mask_wait_seconds: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., before_forward_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ...) -> None: ...

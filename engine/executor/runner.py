@@ -230,6 +230,7 @@ class ModelRunner:
         forward_cpu = time.thread_time() - cpu
         forward_done = time.perf_counter() - started
         masks = pending.result(self._device) if pending is not None else StepMasks(None, {})
+        masks_ready = time.perf_counter() - started
         runs, kept = self._sample(logits, resolved, sampling, first_row, drafts, masks)
         self._advance(resolved, kept)
         timing = StepTiming(
@@ -239,6 +240,7 @@ class ModelRunner:
             time.perf_counter() - started,
             forward_cpu,
             drafts.seconds,
+            masks_ready if pending is not None else None,
         )
         return StepResult(plan.step_id, runs, timing)
 

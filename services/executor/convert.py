@@ -307,6 +307,8 @@ def timing_to_proto(timing: StepTiming) -> pb.StepTiming:
     )
     if timing.masks_started is not None:
         msg.masks_started = timing.masks_started
+    if timing.masks_ready is not None:
+        msg.masks_ready = timing.masks_ready
     return msg
 
 
@@ -318,4 +320,5 @@ def timing_from_proto(msg: pb.StepTiming) -> StepTiming:
         done=msg.done,
         forward_cpu=msg.forward_cpu,
         draft_seconds=msg.draft_seconds,
+        masks_ready=msg.masks_ready if msg.HasField("masks_ready") else None,
     )

@@ -21,7 +21,7 @@ import grpc
 from engine.errors import InvalidRequestError, ProtocolError
 from engine.executor.runner import ModelRunner
 from engine.model_info import ModelInfo
-from engine.step import StepPlan, StepResult
+from engine.step import StepPlan, StepResult, StepTiming
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from services.executor import convert
@@ -60,6 +60,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._resets: list[Future[None]] = []  # buffer drops of ended sessions, still queued on the worker
         self._steps = 0
         self._forward_cpu = 0.0
+        self._masked_steps = 0
+        self._mask_wait = 0.0
+        self._busy = 0.0
+        self._before_forward = 0.0
+        self._forward = 0.0
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return self._info
@@ -72,6 +77,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             # An ended session counts as open until its buffers are gone, so "closed" implies "0 buffers".
             session_open=self._session_open or bool(self._resets),
             forward_cpu_seconds=self._forward_cpu,
+            masked_steps=self._masked_steps,
+            mask_wait_seconds=self._mask_wait,
+            busy_seconds=self._busy,
+            before_forward_seconds=self._before_forward,
+            forward_seconds=self._forward,
             draft_slots=self.runner.proposer_slots,
         )
 
@@ -134,9 +144,19 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             log.exception("executor step %d failed", item.step_id)
             return _error_reply(item.step_id, "internal", f"{type(exc).__name__}: {exc}")
         if isinstance(value, StepResult):
-            self._steps += 1
-            self._forward_cpu += value.timing.forward_cpu
+            self._count(value.timing)
         return item.reply(value)
+
+    def _count(self, timing: StepTiming) -> None:
+        """Where the answered steps' time went (GetState): bench/spec.py and bench/flag_ab.py read it per step."""
+        self._steps += 1
+        self._forward_cpu += timing.forward_cpu
+        self._busy += timing.done
+        self._before_forward += timing.forward_started
+        self._forward += timing.forward_seconds
+        if (waited := timing.mask_wait_seconds) is not None:
+            self._masked_steps += 1
+            self._mask_wait += waited
 
     def _end_session(self) -> None:
         self._session_open = False

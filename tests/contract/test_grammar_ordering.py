@@ -281,6 +281,7 @@ def test_the_fence_opens_before_the_forward_begins(
     timing = r2.timing
     assert timing.masks_started is not None and r1.timing.masks_started is not None
     assert timing.masks_started <= timing.forward_started < timing.forward_done <= timing.done, timing
+    assert timing.masks_ready is not None and timing.forward_done <= timing.masks_ready <= timing.done, timing
     assert timing.forward_cpu > 0
     _commit(scheduler, grammar, r2)
     _finish_all(scheduler, grammar, runner, ["timed"])

@@ -44,7 +44,7 @@ from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
 from engine.step import SampledRun, StepEntry, StepPlan, StepResult, StepTiming
-from protos import executor_pb2
+from protos import executor_pb2, executor_pb2_grpc
 from services.executor import convert as executor_convert
 from services.grammar_client import GrammarClient
 from services.remote_runner import RemoteRunner
@@ -191,12 +191,31 @@ def test_json_schema_outputs_validate(stack: Stack, tokenizer: Tokenizer) -> Non
     assert_drained(stack)
 
 
+def executor_state(stack: Stack) -> executor_pb2.ExecutorState:
+    with grpc.insecure_channel(stack.executor) as channel:
+        return executor_pb2_grpc.ExecutorStub(channel).GetState(executor_pb2.StateRequest(), timeout=TIMEOUT)
+
+
 def test_regex_and_ebnf_outputs_match(stack: Stack, tokenizer: Tokenizer) -> None:
+    """The outputs match their grammar; and the executor counts the steps that waited for masks, and how long
+    (GetState: a step with a constrained row is a masked step, one without is not), within its steps' time."""
     ids = chat_ids(tokenizer, "An address, please.")
+    assert stack.engine.wait_idle(TIMEOUT)
+    before = executor_state(stack)
     for complete in completes(stack.stub, request(ids, max_new_tokens=64, n=3, regex=EMAIL)):
         assert complete.finish_reason == "stop" and re.fullmatch(EMAIL, text_of(tokenizer, complete)), complete
     for complete in completes(stack.stub, request(ids, max_new_tokens=16, n=3, ebnf_grammar=YES_NO)):
         assert complete.finish_reason == "stop" and text_of(tokenizer, complete) in {"yes", "no", "maybe"}
+    assert stack.engine.wait_idle(TIMEOUT)  # an overlapped step of a finished request may still be answered
+    masked = executor_state(stack)
+    assert 0 < masked.masked_steps - before.masked_steps <= masked.steps - before.steps
+    assert masked.mask_wait_seconds >= before.mask_wait_seconds
+    completes(stack.stub, request(ids, max_new_tokens=8))
+    assert stack.engine.wait_idle(TIMEOUT)
+    free = executor_state(stack)
+    assert free.steps > masked.steps and free.masked_steps == masked.masked_steps
+    # Each step's phases nest in its time on the executor: before the forward, the forward, the wait for masks.
+    assert free.busy_seconds >= free.before_forward_seconds + free.forward_seconds + free.mask_wait_seconds > 0
     assert_drained(stack)
 
 
@@ -512,8 +531,9 @@ def test_constrained_and_error_cross_the_executor_protocol() -> None:
     wire = executor_pb2.StepPlan.FromString(executor_convert.plan_to_proto(plan).SerializeToString())
     assert executor_convert.plan_from_proto(wire) == plan
     runs = (SampledRun("a", 4, (), error="grammar mask refused (unknown): a"), SampledRun("b", 4, (9,)))
-    result = StepResult(5, runs, StepTiming(0.001, 0.002, 0.5, 0.6, 0.4))
+    result = StepResult(5, runs, StepTiming(0.001, 0.002, 0.5, 0.6, 0.4, masks_ready=0.55))
     wire_result = executor_pb2.StepResult.FromString(executor_convert.result_to_proto(result).SerializeToString())
     assert executor_convert.result_from_proto(wire_result) == result
     assert not executor_pb2.RunExtra().HasField("error")  # unset is not "": presence carries it
     assert not executor_pb2.StepTiming().HasField("masks_started")
+    assert not executor_pb2.StepTiming().HasField("masks_ready")
