@@ -76,7 +76,7 @@ def _print(runs: Runs, workloads: list[tuple[str, int]], args: argparse.Namespac
     print(f"A: {args.service} {args.a}\nB: {args.service} {args.b}")
     print(
         f"{'mode':>8} {'streams':>7} | {'A':>7} {'B':>7} tok/s | {'B/A':>6} | ms per step (A / B): period, on the "
-        "executor, before its forward, forward, mask wait"
+        "executor, before its forward, drafting, forward, mask wait"
     )
     for key in workloads:
         for name in SHAPES:

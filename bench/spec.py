@@ -38,7 +38,7 @@ every row (min_new_tokens), so constrained and free requests write the same text
 character. Last, the mask work itself: a chain draft's masks traversed in process (xgrammar's traverse_draft_tree
 over the compiled regex and a JSON schema), time per node p50 / p99. Under each constrained row, where a step's time
 went in each mode (StepShare, from the executor's GetState): the wall time per executor step, the step's own time
-on the executor, of it the time before the forward, in it, and waiting for masks past it.
+on the executor, of it the time before the forward (and of that, drafting), in it, and waiting for masks past it.
 
     .venv/bin/python bench/spec.py [--streams 1 8 32] [--max-new 96] [--algorithms draft ngram]
         [--target PATH] [--draft PATH] [--steps 4] [--topk 1] [--grammar-streams 1 32] [--no-grammar]
@@ -115,11 +115,13 @@ class StepShare:
     period: float
     busy: float
     before: float
+    draft: float  # of ``before``, the proposer's
     forward: float
     mask_wait: float
 
     def describe(self) -> str:
-        return f"{self.period:5.2f} {self.busy:5.2f} {self.before:5.2f} {self.forward:5.2f} {self.mask_wait:5.2f}"
+        times = (self.period, self.busy, self.before, self.draft, self.forward, self.mask_wait)
+        return " ".join(f"{t:5.2f}" for t in times)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class _Counts:
     steps: float = 0.0  # the executor's (GetState)
     busy: float = 0.0
     before: float = 0.0
+    draft: float = 0.0
     forward: float = 0.0
     masked: float = 0.0
     mask_wait: float = 0.0
@@ -147,7 +150,7 @@ class _Counts:
         accept = (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
         ms = 1e3 / self.steps
         wait = 1e3 * self.mask_wait / self.masked if self.masked else 0.0
-        step = StepShare(self.wall * ms, self.busy * ms, self.before * ms, self.forward * ms, wait)
+        step = StepShare(self.wall * ms, self.busy * ms, self.before * ms, self.draft * ms, self.forward * ms, wait)
         return Run(self.tokens / self.wall, accept, step)
 
 
@@ -181,8 +184,9 @@ def _counts(stack: SpawnedStack) -> _Counts:
         s = epb_grpc.ExecutorStub(channel).GetState(epb.StateRequest(), timeout=30)
     fields = info.scheduler_info.fields
     verifies, accepted = fields["spec_verify_steps"].number_value, fields["spec_accepted_tokens"].number_value
-    timing = (s.busy_seconds, s.before_forward_seconds, s.forward_seconds, s.masked_steps, s.mask_wait_seconds)
-    return _Counts(0.0, 0.0, verifies, accepted, float(s.steps), *map(float, timing))
+    timing = (s.busy_seconds, s.before_forward_seconds, s.draft_seconds, s.forward_seconds)
+    masks = (s.masked_steps, s.mask_wait_seconds)
+    return _Counts(0.0, 0.0, verifies, accepted, float(s.steps), *map(float, (*timing, *masks)))
 
 
 @dataclass(frozen=True)
@@ -355,7 +359,7 @@ def _print_grammar_row(r: GrammarRow) -> None:
     )
     shares = {name: getattr(r, name).step for name in ("spec", "grammar", "delayed", "early")}
     print(
-        f"{'':>16} ms per step (period, executor, before forward, forward, mask wait): "
+        f"{'':>16} ms per step (period, executor, before forward, of it drafting, forward, mask wait): "
         + " | ".join(f"{name} {share.describe()}" for name, share in shares.items() if share is not None),
         flush=True,
     )

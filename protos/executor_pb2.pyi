@@ -241,7 +241,7 @@ class StateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorState(_message.Message):
-    __slots__ = ("buffers", "steps", "session_open", "forward_cpu_seconds", "draft_slots", "masked_steps", "mask_wait_seconds", "busy_seconds", "before_forward_seconds", "forward_seconds")
+    __slots__ = ("buffers", "steps", "session_open", "forward_cpu_seconds", "draft_slots", "masked_steps", "mask_wait_seconds", "busy_seconds", "before_forward_seconds", "forward_seconds", "draft_seconds")
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SESSION_OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class ExecutorState(_message.Message):
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BEFORE_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     buffers: int
     steps: int
     session_open: bool
@@ -262,4 +263,5 @@ class ExecutorState(_message.Message):
     busy_seconds: float
     before_forward_seconds: float
     forward_seconds: float
-    def __init__(self, buffers: _Optional[int] = ..., steps: _Optional[int] = ..., session_open: _Optional[bool] = ..., forward_cpu_seconds: _Optional[float] = ..., draft_slots: _Optional[int] = ..., masked_steps: _Optional[int] = ..., mask_wait_seconds: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., before_forward_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    draft_seconds: float
+    def __init__(self, buffers: _Optional[int] = ..., steps: _Optional[int] = ..., session_open: _Optional[bool] = ..., forward_cpu_seconds: _Optional[float] = ..., draft_slots: _Optional[int] = ..., masked_steps: _Optional[int] = ..., mask_wait_seconds: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., before_forward_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ...) -> None: ...

@@ -65,6 +65,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._busy = 0.0
         self._before_forward = 0.0
         self._forward = 0.0
+        self._draft = 0.0
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return self._info
@@ -82,6 +83,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             busy_seconds=self._busy,
             before_forward_seconds=self._before_forward,
             forward_seconds=self._forward,
+            draft_seconds=self._draft,
             draft_slots=self.runner.proposer_slots,
         )
 
@@ -154,6 +156,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._busy += timing.done
         self._before_forward += timing.forward_started
         self._forward += timing.forward_seconds
+        self._draft += timing.draft_seconds
         if (waited := timing.mask_wait_seconds) is not None:
             self._masked_steps += 1
             self._mask_wait += waited
