@@ -1,4 +1,5 @@
-"""The executor's Prometheus metrics: time and size of each executed step, and live per-request buffers.
+"""The executor's Prometheus metrics: time and size of each executed step, its wait for grammar masks, drafting, and
+live per-request buffers.
 
 :class:`ExecutorMetrics` records each executed step (:meth:`ExecutorMetrics.track_step` on the future that
 ``runner.launch`` returns) and reads the live per-request buffer count.
@@ -12,7 +13,7 @@ from concurrent.futures import Future
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.step import StepPlan, StepResult
-from services.metrics import STEP_BUCKETS
+from services.metrics import MASK_WAIT_BUCKETS, STEP_BUCKETS
 
 
 class ExecutorMetrics:
@@ -33,6 +34,12 @@ class ExecutorMetrics:
             "ordinal_executor_draft_seconds",
             "Speculative proposer time per step that drafted.",
             buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self._mask_wait = Histogram(
+            "ordinal_executor_mask_wait_seconds",
+            "Per step with a constrained row, how long sampling waited for the grammar masks after the forward.",
+            buckets=MASK_WAIT_BUCKETS,
             registry=r,
         )
         self._drafted = Counter("ordinal_executor_spec_draft_tokens", "Draft tokens verified.", registry=r)
@@ -63,6 +70,8 @@ class ExecutorMetrics:
                 result = f.result()
                 self.step_executed(result.timing.done, plan.num_tokens, sum(len(r.token_ids) for r in result.runs))
                 self.speculated(result)
+                if (waited := result.timing.mask_wait_seconds) is not None:
+                    self._mask_wait.observe(waited)
 
         future.add_done_callback(done)
 

@@ -273,6 +273,21 @@ def test_executor_metrics_with_a_real_runner(config: EngineConfig) -> None:
         runner.shutdown()
 
 
+def test_executor_metrics_count_the_wait_for_masks_of_constrained_steps_only() -> None:
+    """A step whose timing has ``masks_ready`` (a constrained row) observes its wait past the forward; one without
+    observes nothing."""
+    metrics = ExecutorMetrics()
+    plan = StepPlan(1, (StepEntry("r", 0, 1, input_ref=True),))
+    for timing in (StepTiming(0.0, 0.001, 0.004, 0.0052, 0.003, masks_ready=0.0047), StepTiming(None, 0.001, 0.004)):
+        future: Future[StepResult] = Future()
+        metrics.track_step(plan, future)
+        future.set_result(StepResult(1, (SampledRun("r", 1, (7,)),), timing))
+    s = scrape(metrics.registry)
+    assert value(s, "ordinal_executor_step_seconds_count") == 2
+    assert value(s, "ordinal_executor_mask_wait_seconds_count") == 1
+    assert value(s, "ordinal_executor_mask_wait_seconds_sum") == pytest.approx(0.0007)
+
+
 def _after_callbacks(future: Future[StepResult]) -> StepResult:
     """The future's result, once every callback registered before this call has run (they run in order)."""
     ran = threading.Event()
