@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -749,6 +750,27 @@ def test_a_reply_decodes_into_the_rows_the_caller_names() -> None:
     assert bool((step[[0, 2, 3, 5]] == 7).all())
     with pytest.raises(GrammarProtocolError, match="not 5 words long"):
         convert.decode_masks_into(reply, entries, torch.zeros((6, 5), dtype=torch.int32), [4, 0, 1])
+
+
+def test_a_reply_that_does_not_fit_its_request_is_refused_and_writes_none_of_its_rows() -> None:
+    """A row reference past the reply's rows, below -1, or a count of references other than the entry's rows is the
+    peer's fault (INTERNAL), never a mask: the check in decode_masks_into runs before the entry's rows are copied, so
+    without it a reference past the rows raises an IndexError and a short list writes too few rows."""
+    width = 2
+    row = np.array([3, 1], dtype="<i4").tobytes()
+    chain = MaskEntry("a", 0, DraftTree.chain((5, 6)))  # three rows
+
+    def reply(refs: list[int]) -> pb.FillMasksReply:
+        return pb.FillMasksReply(words_per_row=width, rows=[row], results=[pb.MaskResult(code=pb.OK, row_refs=refs)])
+
+    step = torch.full((3, width), 7, dtype=torch.int32)  # [B, W]
+    assert convert.decode_masks_into(reply([0, -1, 0]), [chain], step, [0]) == {}
+    assert step.tolist() == [[3, 1], [-1, -1], [3, 1]]
+    for refs in ([0, 1, 0], [0, -2, 0], [0, 0]):
+        step.fill_(7)
+        with pytest.raises(GrammarProtocolError, match="malformed mask row references"):
+            convert.decode_masks_into(reply(refs), [chain], step, [0])
+        assert bool((step == 7).all())
 
 
 # ---------------------------------------------------------------- the process
