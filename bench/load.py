@@ -195,11 +195,9 @@ def spawned_stack(
     try:
         links: list[str] = []
         if grammar:
-            grammar_cmd = [sys.executable, "-m", "services.grammar", "--port", "0", "--model", str(model)]
-            grammar_cmd += grammar_args
-            service = _start(grammar_cmd, env, rest)
+            service, address = _start_grammar(model, env, rest, grammar_args)
             procs.append(service)
-            links = ["--grammar", f"127.0.0.1:{_ready_port(service, 'GRAMMAR_READY')}"]
+            links = ["--grammar", address]
         executor = _start(
             [sys.executable, "-m", "services.executor", "--port", "0", "--model", str(model), *links, *config_args],
             env,
@@ -218,11 +216,37 @@ def spawned_stack(
         yield SpawnedStack(f"127.0.0.1:{port}", tuple(p.pid for p in procs), f"127.0.0.1:{eport}")
     finally:
         for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _stop(proc)
+
+
+@contextmanager
+def spawned_grammar(model: Path, cores: frozenset[int] | None = None, args: Sequence[str] = ()) -> Iterator[str]:
+    """A grammar service for ``model`` as its own process on loopback (on ``cores``); yield its address."""
+    proc, address = _start_grammar(model, {**os.environ, "PYTHONUNBUFFERED": "1"}, cores, args)
+    try:
+        yield address
+    finally:
+        _stop(proc)
+
+
+def _start_grammar(
+    model: Path, env: dict[str, str], cores: frozenset[int] | None, args: Sequence[str]
+) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "services.grammar", "--port", "0", "--model", str(model), *args]
+    proc = _start(cmd, env, cores)
+    try:
+        return proc, f"127.0.0.1:{_ready_port(proc, 'GRAMMAR_READY')}"
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def _start(cmd: list[str], env: dict[str, str], cores: frozenset[int] | None = None) -> subprocess.Popen[str]:
