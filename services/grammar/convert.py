@@ -183,7 +183,7 @@ def encode_masks(words: torch.Tensor, answers: Sequence[MaskAnswer]) -> pb.FillM
 def decode_masks_into(
     reply: pb.FillMasksReply, entries: Sequence[MaskEntry], out: torch.Tensor, starts: Sequence[int]
 ) -> MaskRefusals:
-    """Unpack a FillMasks reply into ``out`` [N, W], a contiguous CPU tensor (entry i's rows from row ``starts[i]``),
+    """Unpack a FillMasks reply into ``out`` [N, W], a CPU tensor (entry i's rows from row ``starts[i]``),
     one copy per entry.
 
     Returns the refused entries by index; their rows are untouched. Raises GrammarProtocolError (INTERNAL) for a
