@@ -198,9 +198,9 @@ def decode_masks_into(
         raise GrammarProtocolError(Refusal.INTERNAL, f"FillMasks sent mask rows that are not {out.shape[1]} words long")
     rows = reply.rows
     full = b"\xff" * (width * _WORD.itemsize)  # the all-allowed row that the -1 reference stands for
-    # Plain buffer copies, an entry's rows in one: right after the forward this code runs cold, and numpy's or torch's
-    # indexing machinery cost 0.25 ms of the executor's core there, against 0.08 ms for this (bench/spec.py's step
-    # shares: the mask wait).
+    # Plain buffer copies, an entry's rows in one: right after the forward this code runs cold, and numpy's and torch's
+    # indexing machinery cost 0.25 ms of the executor's core there (one entry of five rows), against 0.10 ms for this
+    # (docs/speculative.md, "The mask exchange itself").
     target = out.numpy()  # [N, W], sharing out's memory
     refusals: MaskRefusals = {}
     for i, (result, entry, start) in enumerate(zip(reply.results, entries, starts, strict=True)):
@@ -213,7 +213,6 @@ def decode_masks_into(
             raise GrammarProtocolError(Refusal.INTERNAL, message)
         data = b"".join([rows[ref] if ref != FULL_ROW_REF else full for ref in got])
         target[start : start + len(got)] = np.frombuffer(data, dtype=_WORD).reshape(len(got), width)  # [R, W]
-    return refusals
     return refusals
 
 
