@@ -5,7 +5,7 @@ host every thread of the executor's process shares the executor's core, so whate
 thread, lengthens the step. This bench measures it outside the engine, side by side in one run: this process pinned
 to one core stands for the executor (a forward's stand-in of small matmuls, bound by Python dispatch like the tiny
 model's), a real grammar service on the other core answers a real regex's chain-draft masks (one entry, four draft
-tokens, at the committed ordinal: answered at once), in four ways:
+tokens, at the committed ordinal: answered at once), in five ways:
 
     none     no masks: the forward alone
     stream   the executor's own path: MaskFetcher over RemoteGrammar, the sync per-step Stream (request handed to
@@ -13,6 +13,8 @@ tokens, at the committed ordinal: answered at once), in four ways:
     unary    a FillMasks call per step (grpc's future API: no threads of ours, the call's own deadline)
     aio      the Stream on an asyncio loop of its own thread (as if on the executor server's loop), the runner
              handing each request to it and waiting on a future for the reply
+    relay    the executor's path with ``--grammar-mask-relay on``: MaskFetcher over services/mask_relay.py, the
+             stream held by a helper process on the other core, the request and the reply passed over a Unix socket
 
 Printed per way, p50 over the measured steps: the time to send the request, the forward, the wait for the masks
 after it, the step, the process's CPU per step (every thread), the part of it not on the runner's thread, and the
@@ -54,6 +56,7 @@ from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
 from services.grammar_client import RemoteGrammar, fill_request
+from services.mask_relay import MaskRelay, RelayConfig, relay_cpus
 
 REQUEST_ID = "bench"
 DRAFT_TOKENS = 4
@@ -146,6 +149,8 @@ def senders(
     a step bitmask of its own, as the executor's fetcher does."""
     remote = RemoteGrammar.connect(address, holds_session=False)
     fetcher = MaskFetcher(remote, vocab_size, WAIT_S)
+    relay = MaskRelay.start(RelayConfig(address, relay_cpus()))
+    relayed = MaskFetcher(relay, vocab_size, WAIT_S)
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.GrammarStub(channel)
     aio = AioStream(address)
@@ -156,11 +161,14 @@ def senders(
     def bitmask() -> torch.Tensor:
         return torch.full((len(draft) + 1, words), -1, dtype=torch.int32)  # [R, W]
 
-    def stream() -> Waiter:
-        with torch.inference_mode():
-            pending = fetcher.start([MaskRequest(0, REQUEST_ID, 0, DraftTree.chain(draft))], len(draft) + 1)
-        assert pending is not None
-        return lambda: _checked(pending.result(cpu).errors)
+    def fetched(masks: MaskFetcher) -> Sender:
+        def send() -> Waiter:
+            with torch.inference_mode():
+                pending = masks.start([MaskRequest(0, REQUEST_ID, 0, DraftTree.chain(draft))], len(draft) + 1)
+            assert pending is not None
+            return lambda: _checked(pending.result(cpu).errors)
+
+        return send
 
     def unary() -> Waiter:
         out = bitmask()
@@ -173,12 +181,15 @@ def senders(
         return lambda: _checked(convert.decode_masks_into(reply.result(WAIT_S + 2).fill_masks, entries, out, [0]))
 
     def close() -> None:
+        relayed.shutdown()
+        relay.close()
         aio.close()
         channel.close()
         fetcher.shutdown()
         remote.close()
 
-    return {"none": None, "stream": stream, "unary": unary, "aio": aio_stream}, close
+    ways: dict[str, Sender | None] = {"none": None, "stream": fetched(fetcher), "unary": unary, "aio": aio_stream}
+    return {**ways, "relay": fetched(relayed)}, close
 
 
 def _checked(refusals: MaskRefusals | dict[int, str]) -> None:

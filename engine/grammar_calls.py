@@ -288,7 +288,18 @@ def mask_outcomes(
     return outcomes
 
 
-class GrammarBackend(Protocol):
+class MaskSource(Protocol):
+    """Where the executor's fenced masks come from: the grammar service, or a relay to it (services/mask_relay.py)."""
+
+    def fill_masks_into(
+        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
+    ) -> MaskRefusals:
+        """Fenced masks (C3) written into ``out`` [N, W] (entry i's rows from row ``starts[i]``); returns the
+        refused entries by index. Raises only when the whole call fails (the service is unreachable)."""
+        ...
+
+
+class GrammarBackend(MaskSource, Protocol):
     """The grammar service as the engine sees it. A remote one holds a **session** for the grammars it opens: they
     live as long as the session, and a session that ends (the service restarted, a call on it failed) takes them
     all with it. Sessions are numbered in order; an in-process backend has one, 0, that never ends."""
@@ -302,13 +313,6 @@ class GrammarBackend(Protocol):
     def commit(self, entries: Sequence[CommitEntry]) -> list[CommitOutcome]:
         """One step's commits, answered per entry. When the call itself fails every entry is refused UNAVAILABLE
         and the session ends (a :class:`GrammarLoss` to take)."""
-        ...
-
-    def fill_masks_into(
-        self, entries: Sequence[MaskEntry], deadline_s: float, out: torch.Tensor, starts: Sequence[int]
-    ) -> MaskRefusals:
-        """Fenced masks (C3) written into ``out`` [N, W] (entry i's rows from row ``starts[i]``); returns the
-        refused entries by index. Raises only when the whole call fails (the service is unreachable)."""
         ...
 
     def release(self, request_ids: Sequence[str]) -> None: ...

@@ -189,6 +189,14 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
         "torch's default on CUDA",
     )
     group.add_argument(
+        "--grammar-mask-relay",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the executor's mask exchange with the grammar service run by a helper process (services/mask_relay.py)"
+        " on the cores the executor is not pinned to, so that gRPC's threads stay off the forward's core; auto: on "
+        "for a CPU executor pinned to some of the cores",
+    )
+    group.add_argument(
         "--cuda-graph-max-bs",
         type=int,
         default=defaults.batch_sizes[-1],
@@ -329,6 +337,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         str(args.cuda_graph_max_bs),
         "--cpu-threads",
         str(args.cpu_threads),
+        "--grammar-mask-relay",
+        args.grammar_mask_relay,
     ]
     if args.speculative_algorithm:
         argv += ["--speculative-algorithm", args.speculative_algorithm]

@@ -19,9 +19,7 @@ behind and nothing the scheduler believes open is missing unnoticed (see :class:
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -48,13 +46,13 @@ from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
 from services.grammar_session import HeldSession
-from services.grpc_common import SERVICE_CHANNEL_OPTIONS, outbox_messages
+from services.grammar_stream import GrammarStreamError, SentRequest, StreamSlot, rpc_error
+from services.grpc_common import SERVICE_CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = SERVICE_CHANNEL_OPTIONS
 DEFAULT_TIMEOUT_S = 30.0
-STREAM_CLOSE_TIMEOUT_S = 2.0
 # A mask call waits for its reply at most this long past its fence deadline (the service answers at the deadline): a
 # mask of a service that stopped answering fails then, never later.
 MASK_REPLY_MARGIN_S = 2.0
@@ -152,6 +150,15 @@ def service_state(reply: pb.GrammarState) -> GrammarServiceState:
     )
 
 
+def mask_stream_request(
+    entries: Sequence[MaskEntry], deadline_s: float | None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> tuple[pb.StreamRequest, float]:
+    """A FillMasks stream request, and how long its reply may take: the fence's deadline (None: the service's
+    default, bounded by ``timeout_s``) plus a margin."""
+    wait_s = (deadline_s if deadline_s is not None else timeout_s) + MASK_REPLY_MARGIN_S
+    return pb.StreamRequest(fill_masks=fill_request(entries, deadline_s)), wait_s
+
+
 def _ms(seconds: float | None) -> int:
     """0 (the server's default) for None; else at least 1 ms, since 0 would mean the default."""
     return 0 if seconds is None else max(1, round(seconds * 1000))
@@ -162,147 +169,11 @@ def _check_count(rpc: str, answered: int, asked: int) -> None:
         raise GrammarProtocolError(Refusal.INTERNAL, f"{rpc} answered {answered} entries, {asked} were asked")
 
 
-# ---------------------------------------------------------------- the per-step stream
-
-
-class GrammarStreamError(RuntimeError):
-    """A per-step stream failed: the service went away, broke the reply order or did not answer in time. The
-    stream is dropped; the next call opens a new one."""
-
-
-class _CallStream:
-    """One open ``Stream`` call: each request goes out in call order and its reply comes back in the same order.
-
-    A request may be sent and its reply taken later (:meth:`send`, :meth:`receive`): the executor sends a step's
-    mask request before its forward and takes the answer after it, with no thread of its own waiting for it.
-    Replies are taken in the order their requests were sent; the reply of a request nobody takes (its step
-    failed) is dropped when a later one is taken."""
-
-    def __init__(self, stub: pb_grpc.GrammarStub) -> None:
-        self._outbox: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
-        self._replies: queue.SimpleQueue[pb.StreamReply | GrammarStreamError] = queue.SimpleQueue()
-        self._send_lock = threading.Lock()  # the outbox order is the numbering order
-        self._receive_lock = threading.Lock()
-        self._sent = 0  # requests sent
-        self._taken = 0  # replies read off the queue (taken or dropped)
-        self._error: GrammarStreamError | None = None  # once the stream failed, every later receive says so
-        self._call = stub.Stream(outbox_messages(self._outbox))
-        self._reader = threading.Thread(target=self._read, name="ordinal-grammar-stream", daemon=True)
-        self._reader.start()
-
-    def send(self, request: pb.StreamRequest) -> int:
-        """Send ``request`` now; the number to :meth:`receive` its reply with."""
-        with self._send_lock:
-            number = self._sent
-            self._sent += 1
-            self._outbox.put(request)
-        return number
-
-    def receive(self, number: int, call: str, deadline: float, timeout_s: float) -> pb.StreamReply:
-        """The reply to request ``number`` (a ``call`` request), waiting until ``deadline`` (time.monotonic, the
-        request's send time plus ``timeout_s``)."""
-        with self._receive_lock:
-            if number < self._taken:
-                raise GrammarStreamError(f"the reply to request {number} was dropped: a later one was taken first")
-            while True:
-                if self._error is not None:
-                    raise self._error
-                try:
-                    reply = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise GrammarStreamError(f"the grammar service did not answer within {timeout_s:.1f} s") from None
-                if isinstance(reply, GrammarStreamError):
-                    self._error = reply
-                    raise reply
-                self._taken += 1
-                if self._taken - 1 == number:
-                    break
-        if reply.WhichOneof("reply") != call:
-            raise GrammarStreamError(f"a {call} was answered by {reply.WhichOneof('reply')}")
-        return reply
-
-    def close(self) -> None:
-        self._outbox.put(None)
-        self._call.cancel()
-        self._reader.join(STREAM_CLOSE_TIMEOUT_S)
-
-    def _read(self) -> None:
-        try:
-            for reply in self._call:
-                self._replies.put(reply)
-            error = GrammarStreamError("the grammar service ended the stream")
-        except grpc.RpcError as exc:
-            error = GrammarStreamError(f"grammar stream failed: {_rpc_error(exc)}")
-        self._outbox.put(None)  # ends the request iterator, whose thread would otherwise wait forever
-        self._replies.put(error)
-
-
-class _StreamSlot:
-    """A stream for one caller's per-step calls: opened on first use, reopened after a failure (a failed or late
-    reply drops the stream, so a late reply can never answer a later request).
-
-    Exchanges are serialized (any thread may call them). A request sent with :meth:`send` is received by its
-    sender later, outside the slot's lock: a slot serves either such split requests of one thread (the executor's
-    masks) or exchanges, never both at once, since an exchange would take and drop a pending split reply."""
-
-    def __init__(self, stub: pb_grpc.GrammarStub) -> None:
-        self._stub = stub
-        self._lock = threading.RLock()  # re-entered by an exchange whose receive fails and drops the stream
-        self._stream: _CallStream | None = None
-
-    def exchange(self, request: pb.StreamRequest, timeout_s: float) -> pb.StreamReply:
-        """Send one request and wait (at most ``timeout_s``) for its reply, one exchange at a time."""
-        with self._lock:
-            return self.send(request, timeout_s).receive()
-
-    def send(self, request: pb.StreamRequest, timeout_s: float) -> _SentRequest:
-        """Send ``request`` now; its reply, due within ``timeout_s`` from now, is taken from what this returns."""
-        with self._lock:
-            if self._stream is None:
-                self._stream = _CallStream(self._stub)
-            stream = self._stream
-            number = stream.send(request)
-        call = str(request.WhichOneof("call"))
-        return _SentRequest(self, stream, number, call, time.monotonic() + timeout_s, timeout_s)
-
-    def drop(self, stream: _CallStream) -> None:
-        """``stream`` failed: close it, and open a new one on the next send unless that happened already."""
-        with self._lock:
-            if self._stream is stream:
-                self._stream = None
-        stream.close()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._stream is not None:
-                self._stream.close()
-                self._stream = None
-
-
-@dataclass(frozen=True)
-class _SentRequest:
-    """A request sent on a slot's stream whose reply has not been taken."""
-
-    slot: _StreamSlot
-    stream: _CallStream
-    number: int
-    call: str
-    deadline: float  # time.monotonic
-    timeout_s: float
-
-    def receive(self) -> pb.StreamReply:
-        try:
-            return self.stream.receive(self.number, self.call, self.deadline, self.timeout_s)
-        except GrammarStreamError:
-            self.slot.drop(self.stream)
-            raise
-
-
 class StreamedMasks:
     """A mask request sent on the stream (a :class:`~engine.grammar_calls.MaskWait`): :meth:`result` takes its
     reply and writes the rows into the step's bitmask on the caller's thread."""
 
-    def __init__(self, sent: _SentRequest, entries: Sequence[MaskEntry], out: torch.Tensor, starts: Sequence[int]):
+    def __init__(self, sent: SentRequest, entries: Sequence[MaskEntry], out: torch.Tensor, starts: Sequence[int]):
         self._sent = sent
         self._entries = entries
         self._out = out
@@ -327,8 +198,8 @@ class GrammarClient:
         self._timeout_s = timeout_s
         # Two streams, because a FillMasks waiting at its fence holds up its stream: commits (and releases) must
         # not queue behind it, or the mask would wait for a commit stuck behind itself.
-        self._commit_stream = _StreamSlot(self._stub)
-        self._mask_stream = _StreamSlot(self._stub)
+        self._commit_stream = StreamSlot(self._stub)
+        self._mask_stream = StreamSlot(self._stub)
 
     def __enter__(self) -> GrammarClient:
         return self
@@ -404,10 +275,13 @@ class GrammarClient:
         into ``out``) by the returned wait's ``result``, on the thread that sent it."""
         return StreamedMasks(self._mask_stream.send(*self._mask_request(entries, deadline_s)), entries, out, starts)
 
+    def stream_send_masks(self, request: pb.StreamRequest, wait_s: float) -> SentRequest:
+        """A FillMasks stream request built elsewhere (:func:`mask_stream_request`: the executor's mask relay)
+        sent now on the mask stream; its reply is taken from what this returns, within ``wait_s``."""
+        return self._mask_stream.send(request, wait_s)
+
     def _mask_request(self, entries: Sequence[MaskEntry], deadline_s: float | None) -> tuple[pb.StreamRequest, float]:
-        """A FillMasks stream request, and how long its reply may take: the fence's deadline plus a margin."""
-        wait_s = (deadline_s if deadline_s is not None else self._timeout_s) + MASK_REPLY_MARGIN_S
-        return pb.StreamRequest(fill_masks=fill_request(entries, deadline_s)), wait_s
+        return mask_stream_request(entries, deadline_s, self._timeout_s)
 
     def stream_release(self, request_ids: Sequence[str]) -> list[Refusal | None]:
         request = pb.StreamRequest(release=pb.ReleaseRequest(request_ids=list(request_ids)))
@@ -504,8 +378,8 @@ class RemoteGrammar:
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise GrammarUnavailableError(f"the Open to {self._target} failed ({_rpc_error(exc)})") from exc
-            raise GrammarProtocolError(Refusal.INTERNAL, f"grammar Open failed: {_rpc_error(exc)}") from exc
+                raise GrammarUnavailableError(f"the Open to {self._target} failed ({rpc_error(exc)})") from exc
+            raise GrammarProtocolError(Refusal.INTERNAL, f"grammar Open failed: {rpc_error(exc)}") from exc
         error = outcome.error
         if isinstance(error, GrammarProtocolError) and error.code is Refusal.NO_SESSION:
             raise GrammarUnavailableError(f"the grammar service at {self._target} refused the open: {error}")
@@ -582,7 +456,7 @@ class RemoteGrammar:
         except GrammarUnavailableError as exc:
             return str(exc)
         except grpc.RpcError as exc:
-            return f"the grammar service at {self._target} does not answer ({_rpc_error(exc)})"
+            return f"the grammar service at {self._target} does not answer ({rpc_error(exc)})"
         return None
 
     def close(self) -> None:
@@ -649,7 +523,7 @@ class RemoteGrammar:
         try:
             state = self._client.get_state(session=held.session_id, timeout_s=VERIFY_TIMEOUT_S)
         except grpc.RpcError as exc:
-            reason = f"the service does not answer ({_rpc_error(exc)})"
+            reason = f"the service does not answer ({rpc_error(exc)})"
         else:
             if state.session_held:
                 return None
@@ -670,9 +544,3 @@ def _vocab_mismatch(target: str, served: int, model: int) -> str:
         f"grammar service at {target} masks a vocabulary of {served} tokens but the model has {model}: start it "
         "with the same --model"
     )
-
-
-def _rpc_error(exc: grpc.RpcError) -> str:
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    return f"{code.name if code is not None else 'error'}: {details}"

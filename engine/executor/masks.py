@@ -22,9 +22,9 @@ from engine.executor.proposer import DraftGrammar
 from engine.grammar_calls import (
     DraftTree,
     FencingBackend,
-    GrammarBackend,
     MaskEntry,
     MaskRefusals,
+    MaskSource,
     MaskWait,
     mask_refused,
     masks_unavailable,
@@ -106,7 +106,7 @@ def _on_device(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
 class MaskFetcher:
     """Starts a step's batched mask request (one call per step): a fence opened now, or a call on a thread."""
 
-    def __init__(self, backend: GrammarBackend, vocab_size: int, wait_s: float) -> None:
+    def __init__(self, backend: MaskSource, vocab_size: int, wait_s: float) -> None:
         self._backend = backend
         # A fence that may wait (delayed sampling) is opened and left to the commits that fill it. One that may not
         # (early commit: every row is answerable at once) is computed on the fetch thread while the forward runs:

@@ -25,7 +25,7 @@ from engine.executor.proposer import NO_DRAFT, Draft, DraftGrammar, DraftRequest
 from engine.executor.proposers import load_proposer
 from engine.executor.sampler import Sampler, SamplingState
 from engine.executor.verify import Verdict, Verifier, VerifyItem
-from engine.grammar_calls import GrammarBackend
+from engine.grammar_calls import MaskSource
 from engine.kv.page_table import PageTable
 from engine.kv.pool import KVPool
 from engine.model.attention_backend import attention_backend
@@ -117,7 +117,7 @@ class ModelRunner:
 
     @classmethod
     def load(
-        cls, config: EngineConfig, grammar: GrammarBackend | None = None, graph_mode: GraphMode | None = None
+        cls, config: EngineConfig, grammar: MaskSource | None = None, graph_mode: GraphMode | None = None
     ) -> ModelRunner:
         """Load the model (the embedded default when ``config.model_path`` is None) and size the KV pool.
 

@@ -6,7 +6,8 @@ its buffers are dropped), then the runner. ``--metrics-port`` serves Prometheus 
 ``--grammar HOST:PORT`` names the grammar service the constrained rows' fenced masks come from (the scheduler
 must use the same one); without it a step with a constrained entry is refused. ``--grammar-overlap off`` (shared
 with the scheduler) makes the executor take masks without waiting at the fence: the scheduler then commits every
-token before launching a step that needs it.
+token before launching a step that needs it. ``--grammar-mask-relay`` runs the mask exchange in a helper process
+(services/mask_relay.py), by default when this executor runs on CPU pinned to some of the cores.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from services import event_loop
 from services.executor.metrics import ExecutorMetrics
 from services.executor.server import start_executor
 from services.flags import add_engine_args, engine_config
-from services.grammar_client import GrammarServiceError, RemoteGrammar
+from services.grammar_client import GrammarServiceError, GrammarStreamError, RemoteGrammar
+from services.mask_relay import MaskRelay, RelayConfig, relay_cpus, wants_relay
 from services.metrics import serve_metrics
 
 READY_LINE = "EXECUTOR_READY port={port}"
@@ -88,6 +90,16 @@ def connect_grammar(args: argparse.Namespace, config: EngineConfig) -> RemoteGra
         raise SystemExit(f"executor: {exc}") from None
 
 
+def start_relay(args: argparse.Namespace, config: EngineConfig) -> MaskRelay | None:
+    """The mask relay of ``--grammar-mask-relay`` (on the cores this process is not pinned to), or None."""
+    if not wants_relay(args.grammar_mask_relay, config.device):
+        return None
+    try:
+        return MaskRelay.start(RelayConfig(args.grammar, relay_cpus()))
+    except GrammarStreamError as exc:
+        raise SystemExit(f"executor: {exc}") from None
+
+
 def cpu_threads(requested: int, device: str) -> int | None:
     """The torch CPU threads for ``--cpu-threads``: as asked, else (0) on a CPU device the cores this process may
     run on but one, at least one; None keeps torch's default (a CUDA device, whose host threads barely compute).
@@ -112,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     grammar = connect_grammar(args, config)
-    runner = ModelRunner.load(config, grammar)
+    relay = start_relay(args, config) if grammar is not None else None
+    runner = ModelRunner.load(config, relay if relay is not None else grammar)
     metrics = ExecutorMetrics()
     metrics.watch_buffers(lambda: runner.num_buffers)
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, host=args.host)
@@ -120,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         event_loop.run(serve(runner, args.host, args.port, metrics))
     finally:
         runner.shutdown()
+        if relay is not None:
+            relay.close()
         if grammar is not None:
             grammar.close()
         if metrics_server is not None:

@@ -628,8 +628,9 @@ def test_a_started_mask_request_is_at_the_fence_before_its_result_is_asked(
 def test_a_reply_nobody_took_never_answers_the_next_request(stub: pb_grpc.GrammarStub, target: str) -> None:
     """C3 on a pipelined stream: the reply of a mask request whose step gave it up (closed, never taken) is dropped
     when the next request's reply is taken, never handed to it. Enforced by the numbering in _CallStream.receive
-    (`if self._taken - 1 == number`); a receive that returns the first reply off the queue hands the second request
-    the first one's refusal (ordinal 7 of a grammar at 0, with no time to wait), and its row stays unwritten."""
+    (services/grammar_stream.py, `if self._taken - 1 == number`); a receive that returns the first reply off the
+    queue hands the second request the first one's refusal (ordinal 7 of a grammar at 0, with no time to wait), and
+    its row stays unwritten."""
     rid = open_one(stub)
     masks_client = RemoteGrammar.connect(target, WAIT_S, holds_session=False)
     try:

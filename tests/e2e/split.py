@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.executor.runner import ModelRunner
 from engine.scheduler.engine import Engine
 from services.grammar_client import RemoteGrammar
+from services.mask_relay import MaskRelay, RelayConfig
 from services.remote_runner import RemoteRunner
 from tests.support.servers import ExecutorThread, ThreadedServer
 
@@ -34,12 +35,15 @@ class Stack:
 
 
 @contextmanager
-def split_stack(config: EngineConfig, grammar: str, executor_grammar: str | None = None) -> Iterator[Stack]:
+def split_stack(
+    config: EngineConfig, grammar: str, executor_grammar: str | None = None, relay: bool = False
+) -> Iterator[Stack]:
     """Executor and scheduler over gRPC, both on the grammar service ``grammar`` (the executor on
-    ``executor_grammar`` instead when given)."""
+    ``executor_grammar`` instead when given; with ``relay`` through a mask relay, ``--grammar-mask-relay on``)."""
     vocab = load_vocab_size(config)
     masks = RemoteGrammar.connect(executor_grammar or grammar, TIMEOUT, vocab_size=vocab, holds_session=False)
-    runner = ModelRunner.load(config, masks)
+    relayed = MaskRelay.start(RelayConfig(executor_grammar or grammar)) if relay else None
+    runner = ModelRunner.load(config, relayed if relayed is not None else masks)
     executor = ExecutorThread(runner)
     target = f"127.0.0.1:{executor.port}"
     commits = RemoteGrammar.connect(grammar, TIMEOUT, vocab_size=vocab)
@@ -55,6 +59,8 @@ def split_stack(config: EngineConfig, grammar: str, executor_grammar: str | None
         commits.close()
         executor.stop()
         runner.shutdown()
+        if relayed is not None:
+            relayed.close()
         masks.close()
 
 

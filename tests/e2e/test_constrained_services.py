@@ -395,17 +395,19 @@ async def run_in_submit_order(target: str, requests: list[pb.GenerateRequest]) -
 async def test_grammar_overlap_on_and_off_give_identical_outputs(
     config: EngineConfig, grammar: str, tokenizer: Tokenizer
 ) -> None:
-    """C4: delayed sampling behind the fence (on) and early commit with no fence wait (off) are the same tokens.
+    """C4: delayed sampling behind the fence (on) and early commit with no fence wait (off) are the same tokens, and
+    so are delayed sampling's with the executor's masks carried by a mask relay process (``--grammar-mask-relay``).
 
     Each mode runs on a fresh executor and scheduler (the seed counter starts at 0 in both) against the same
     grammar service, which must hold no matcher once each batch drained."""
     requests = mixed_batch(tokenizer)
     outputs = {}
-    for mode in (True, False):
-        with split_stack(replace(config, grammar_overlap=mode), grammar) as stack:
-            outputs[mode] = await run_in_submit_order(stack.target, requests)
+    for mode, relay in ((True, False), (False, False), (True, True)):
+        with split_stack(replace(config, grammar_overlap=mode), grammar, relay=relay) as stack:
+            outputs[mode, relay] = await run_in_submit_order(stack.target, requests)
             assert_drained(stack)
-    on, off = outputs[True], outputs[False]
+    on, off = outputs[True, False], outputs[False, False]
+    assert outputs[True, True] == on, "the relayed masks gave other tokens"
     assert all(isinstance(r, tuple) and r[0] in ("stop", "length") for r in on), on
     for i, (a, b) in enumerate(zip(on, off, strict=True)):
         assert a == b, f"request {i} ({requests[i].sampling_params.WhichOneof('constraint')}): {a} != {b}"

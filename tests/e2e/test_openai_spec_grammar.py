@@ -3,11 +3,12 @@
 The seed: forced tool calls with EAGLE failed with "Tokens not accepted" because the verify mask was built from a
 grammar state one step old. Here one ``ordinal serve`` stack runs n-gram speculation (chains of 4, adaptive off, so
 every decode step drafts) with the grammar under overlap (delayed verify: each step's forward starts before its
-draft masks exist). The real ``openai`` client sends, 20 at a time, chat requests with the seed's json_schema and
-``max_tokens`` 64, then forced tool calls (``tool_choice: "required"`` over two tools), half streamed. Every answer
-must end with "stop" / "tool_calls", parse, and validate against its schema; the executor's counters must show
-drafts accepted under the grammar. A mask from another grammar state would let a token through that the grammar's
-commit then refuses (the request ends as an abort) or yield JSON that does not validate.
+draft masks exist), the executor's masks carried by its mask relay process (``--grammar-mask-relay on``). The real
+``openai`` client sends, 20 at a time, chat requests with the seed's json_schema and ``max_tokens`` 64, then forced
+tool calls (``tool_choice: "required"`` over two tools), half streamed. Every answer must end with "stop" /
+"tool_calls", parse, and validate against its schema; the executor's counters must show drafts accepted under the
+grammar. A mask from another grammar state would let a token through that the grammar's commit then refuses (the
+request ends as an abort) or yield JSON that does not validate.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from tests.e2e.stack import ServeStack, free_port_block, prometheus_samples, start_serve
+from tests.e2e.stack import ServeStack, alive, free_port_block, prometheus_samples, start_serve
 
 MODEL = "tiny-spec-grammar"
 TIMEOUT = 120.0
@@ -62,12 +63,33 @@ def stack(embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     flags = ["--port", "0", "--executor-port", "0", "--grammar-port", "0", "--gateway-port", "0"]
     flags += ["--metrics-port", str(metrics), "--served-model-name", MODEL, "--num-pages", "1024"]
     flags += ["--speculative-algorithm", "ngram", "--speculative-num-steps", "4", "--speculative-adaptive", "off"]
+    flags += ["--grammar-mask-relay", "on"]  # the executor's masks through its relay process (auto: off unpinned)
     served = start_serve(tmp_path_factory.mktemp("spec-grammar") / "serve.stderr", embedded_model_dir, *flags)
+    relays: list[int] = []
     try:
+        relays = _children(served.pids["executor"], "services.mask_relay_process")
+        assert len(relays) == 1, "the executor did not start its mask relay"
         yield served, f"http://127.0.0.1:{metrics + 1}/metrics"  # the executor's
     finally:
         code = served.stop()
     assert code == 0, served.stderr()[-4000:]
+    assert not any(alive(pid) for pid in relays), "the mask relay outlived the stack"
+
+
+def _children(parent: int, module: str) -> list[int]:
+    """The pids of ``parent``'s child processes running ``python -m module``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and module.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
 
 
 def _client(stack: tuple[ServeStack, str]) -> OpenAI:
