@@ -34,12 +34,11 @@ from engine.grammar_calls import MaskEntry, MaskRefusals
 from protos import grammar_pb2 as pb
 from services.grammar import convert
 from services.grammar_client import GrammarStreamError, mask_stream_request
-from services.mask_relay_process import STOP_TIMEOUT_S, Frame, recv_frame, send_frame
+from services.mask_relay_process import STOP_TIMEOUT_S, Frame, FrameReader, send_frame
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0  # a relay that has not started by then will not
-SEND_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,7 @@ class MaskRelay:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
+        self._frames: FrameReader | None = None
         self._sent = 0  # requests numbered so far (over every relay process: numbers never repeat)
         self._taken = 0  # every request below this number has had its reply taken or dropped
 
@@ -124,12 +124,12 @@ class MaskRelay:
                 raise GrammarStreamError(
                     f"the reply to mask request {number} is gone (a later one was taken first, or the relay restarted)"
                 )
-            sock = self._sock
-            if sock is None:
+            frames = self._frames
+            if frames is None:
                 raise GrammarStreamError("the mask relay was dropped: this request's reply is lost")
             while True:
                 try:
-                    got, kind, payload, _ = recv_frame(sock, deadline)
+                    got, kind, payload, _ = frames.read(deadline)
                 except TimeoutError:
                     raise self._drop("the mask relay did not answer in time") from None
                 except (EOFError, OSError) as exc:
@@ -172,10 +172,11 @@ class MaskRelay:
             )
         finally:
             theirs.close()
-        ours.settimeout(SEND_TIMEOUT_S)  # bounds a send to a relay that stopped reading; receives have deadlines
-        self._sock = ours
+        # Blocking: every receive has a deadline of its own, and a send cannot block for long, since a relay that
+        # stops reading is dropped at the first reply it misses, long before its socket's buffer fills with requests.
+        self._sock, self._frames = ours, FrameReader(ours)
         try:
-            _, kind, _, _ = recv_frame(ours, time.monotonic() + READY_TIMEOUT_S)
+            _, kind, _, _ = self._frames.read(time.monotonic() + READY_TIMEOUT_S)
         except (TimeoutError, EOFError, OSError) as exc:
             raise self._drop(f"the mask relay did not start ({type(exc).__name__})") from None
         if kind is not Frame.READY:
@@ -190,7 +191,7 @@ class MaskRelay:
         return GrammarStreamError(reason)
 
     def _stop(self, graceful: bool = True) -> None:
-        sock, self._sock = self._sock, None
+        sock, self._sock, self._frames = self._sock, None, None
         process, self._process = self._process, None
         if sock is not None:
             sock.close()  # a healthy relay reads the end of its stream and exits

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 5.0
 _HEADER = struct.Struct("<QBId")  # number, kind, payload length, the reply's time limit (requests only)
+_RECV_BYTES = 1 << 18
 
 
 class Frame(IntEnum):
@@ -50,26 +51,45 @@ def send_frame(sock: socket.socket, number: int, kind: Frame, payload: bytes, wa
     sock.sendall(_HEADER.pack(number, kind, len(payload), wait_s) + payload)
 
 
-def recv_exact(sock: socket.socket, size: int, deadline: float | None) -> bytes:
-    """``size`` bytes; raises EOFError at the end of the stream, TimeoutError past ``deadline`` (time.monotonic)."""
-    chunks: list[bytes] = []
-    left = size
-    while left:
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([sock], [], [], remaining)[0]:
-                raise TimeoutError
-        chunk = sock.recv(left)
+class FrameReader:
+    """Frames off a socket through one buffer: a frame that has arrived whole costs one ``recv``, where reading its
+    header and payload apart, each behind a readiness poll, cost the executor's core 0.1 ms a step right after the
+    forward."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray()
+
+    def read(self, deadline: float | None = None) -> tuple[int, Frame, bytes, float]:
+        """The next frame; raises EOFError at the end of the stream, TimeoutError past ``deadline`` (monotonic)."""
+        while (frame := self._take()) is None:
+            self._fill(deadline)
+        return frame
+
+    def _take(self) -> tuple[int, Frame, bytes, float] | None:
+        buffer = self._buffer
+        if len(buffer) < _HEADER.size:
+            return None
+        number, kind, size, wait_s = _HEADER.unpack_from(buffer)
+        end = _HEADER.size + size
+        if len(buffer) < end:
+            return None
+        payload = bytes(buffer[_HEADER.size : end])
+        del buffer[:end]
+        return number, Frame(kind), payload, wait_s
+
+    def _fill(self, deadline: float | None) -> None:
+        try:
+            chunk = self._sock.recv(_RECV_BYTES, socket.MSG_DONTWAIT)  # what has arrived, without waiting
+        except BlockingIOError:
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not select.select([self._sock], [], [], remaining)[0]:
+                    raise TimeoutError from None
+            chunk = self._sock.recv(_RECV_BYTES)
         if not chunk:
             raise EOFError
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def recv_frame(sock: socket.socket, deadline: float | None = None) -> tuple[int, Frame, bytes, float]:
-    number, kind, size, wait_s = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
-    return number, Frame(kind), recv_exact(sock, size, deadline), wait_s
+        self._buffer += chunk
 
 
 def _answer(sock: socket.socket, sent: queue.SimpleQueue[tuple[int, SentRequest | str] | None]) -> None:
@@ -93,9 +113,10 @@ def relay(sock: socket.socket, stream: StreamSlot) -> None:
     answering = threading.Thread(target=_answer, args=(sock, sent), name="ordinal-mask-relay", daemon=True)
     answering.start()
     send_frame(sock, 0, Frame.READY, b"")
+    frames = FrameReader(sock)
     try:
         while True:
-            number, kind, payload, wait_s = recv_frame(sock)
+            number, kind, payload, wait_s = frames.read()
             if kind is not Frame.REQUEST:
                 raise RuntimeError(f"the executor sent {kind.name}")
             try:

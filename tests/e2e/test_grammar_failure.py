@@ -72,13 +72,19 @@ def _config(model_dir: Path) -> EngineConfig:
 
 
 @pytest.mark.slow
-def test_grammar_service_killed_mid_stream_then_restarted(embedded_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("relay", [False, True], ids=["stream", "relay"])
+def test_grammar_service_killed_mid_stream_then_restarted(
+    embedded_model_dir: Path, tmp_path: Path, relay: bool
+) -> None:
+    """The module's story; with ``relay`` the executor's masks go through its mask relay process, whose stream to
+    the dead service fails (the step's masks are unavailable, the request ends UNAVAILABLE) and is opened anew to
+    the next instance."""
     log = tmp_path / "grammar.log"
     first = GrammarProcess(embedded_model_dir, 0, log)
     processes = [first]
     config = _config(embedded_model_dir)
     try:
-        with split_stack(config, first.target) as s:
+        with split_stack(config, first.target, relay=relay) as s:
             expected = _greedy(s, "before", constrained=True)
             health = _health(s)
             assert health.healthy and "grammar service answers" in health.message, health
