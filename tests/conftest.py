@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from engine.grammar import ConstraintCompiler
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -23,3 +28,13 @@ def embedded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.model.embedded import ensure_embedded_model
 
     return ensure_embedded_model(tmp_path_factory.mktemp("ordinal-cache"))
+
+
+@pytest.fixture(scope="module")
+def compiler(embedded_model_dir: Path) -> Iterator[ConstraintCompiler]:
+    """A constraint compiler over the embedded model's tokenizer (xgrammar), one per test module."""
+    from engine.grammar import ConstraintCompiler
+
+    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
+    yield compiler
+    compiler.shutdown()

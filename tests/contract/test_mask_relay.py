@@ -39,13 +39,6 @@ WAIT_S = 10.0  # every wait in these tests is bounded by this
 
 
 @pytest.fixture(scope="module")
-def compiler(embedded_model_dir: Path) -> Iterator[ConstraintCompiler]:
-    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
-    yield compiler
-    compiler.shutdown()
-
-
-@pytest.fixture(scope="module")
 def target(compiler: ConstraintCompiler) -> Iterator[str]:
     served = GrammarThread(compiler)
     yield f"127.0.0.1:{served.port}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,13 +46,6 @@ WAIT_S = 10.0
 @pytest.fixture(scope="module")
 def tokenizer(embedded_model_dir: Path) -> Tokenizer:
     return Tokenizer.from_dir(embedded_model_dir)
-
-
-@pytest.fixture(scope="module")
-def compiler(embedded_model_dir: Path) -> Iterator[ConstraintCompiler]:
-    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
-    yield compiler
-    compiler.shutdown()
 
 
 @pytest.fixture(scope="module")
