@@ -86,6 +86,22 @@ def parse_json_whitespace(text: str) -> int | None:
     return value
 
 
+def parse_cpus(text: str) -> frozenset[int]:
+    """A set of CPU cores as ``taskset -c`` spells it: ``1``, ``1,3``, ``2-5``, ``0,2-3``."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        last = last if dash else first
+        if not first.isdecimal() or not last.isdecimal() or int(first) > int(last):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected cores as taskset -c spells them, e.g. 1 or 0,2-3")
+        cores.update(range(int(first), int(last) + 1))
+    return frozenset(cores)
+
+
+def cpus_text(cores: frozenset[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
+
+
 def json_schema_argv(args: argparse.Namespace) -> list[str]:
     """The JSON-schema flags of ``args`` spelled back for a grammar service (the mode resolved)."""
     whitespace = UNBOUNDED_WHITESPACE if args.json_whitespace is None else str(args.json_whitespace)
@@ -189,12 +205,21 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
         "torch's default on CUDA",
     )
     group.add_argument(
+        "--executor-cpus",
+        type=parse_cpus,
+        default=None,
+        metavar="CORES",
+        help="pin the executor to these cores (as taskset -c spells them); ordinal serve runs the other services on "
+        "the rest of its own. On a small CPU host the forward is the critical path and a woken scheduler, gateway or "
+        "gRPC thread on its core preempts it (default: no pinning)",
+    )
+    group.add_argument(
         "--grammar-mask-relay",
         choices=("auto", "on", "off"),
         default="auto",
         help="the executor's mask exchange with the grammar service run by a helper process (services/mask_relay.py)"
-        " on the cores the executor is not pinned to, so that gRPC's threads stay off the forward's core; auto: on "
-        "for a CPU executor pinned to some of the cores",
+        ", so that gRPC's threads stay off the forward's core; auto: on for a CPU executor pinned to fewer cores than"
+        " the process that started it, the relay then on that process's others",
     )
     group.add_argument(
         "--cuda-graph-max-bs",
@@ -340,6 +365,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         "--grammar-mask-relay",
         args.grammar_mask_relay,
     ]
+    if args.executor_cpus is not None:
+        argv += ["--executor-cpus", cpus_text(args.executor_cpus)]
     if args.speculative_algorithm:
         argv += ["--speculative-algorithm", args.speculative_algorithm]
         argv += ["--speculative-num-steps", str(args.speculative_num_steps)]

@@ -284,6 +284,7 @@ class Endpoints:
 def serve(args: argparse.Namespace) -> int:
     """Start grammar, executor, scheduler and gateway; block until a signal or a service dies. The exit code."""
     _check_ports(args)
+    _pin_apart(args.executor_cpus)
     smg = None if args.no_gateway else find_smg()  # before anything starts: a missing gateway is a usage error
     model_dir = model_folder(args.model)
     stop = install_stop_handlers()
@@ -319,6 +320,24 @@ def _check_ports(args: argparse.Namespace) -> None:
         raise SystemExit("ordinal serve: --metrics-port needs four ports: use at most 65532")
     if args.max_restarts < 0:
         raise SystemExit(f"ordinal serve: --max-restarts must be >= 0, got {args.max_restarts}")
+
+
+def _pin_apart(executor: frozenset[int] | None) -> None:
+    """``--executor-cpus``: this launcher, and so every service it starts but the executor (which pins itself to
+    ``executor``), on the rest of its cores. Refused when those cores are not this launcher's, or leave none."""
+    if executor is None:
+        return
+    own = frozenset(os.sched_getaffinity(0))
+    cores = ",".join(str(c) for c in sorted(executor))
+    if not executor <= own:
+        raise SystemExit(f"ordinal serve: --executor-cpus {cores}: this process may run on cores {sorted(own)} only")
+    rest = own - executor
+    if not rest:
+        raise SystemExit(
+            f"ordinal serve: --executor-cpus {cores} leaves no core for the scheduler, the grammar service and the "
+            f"gateway (this process may run on {sorted(own)})"
+        )
+    os.sched_setaffinity(0, rest)
 
 
 def _metrics_ports(args: argparse.Namespace) -> dict[str, int]:

@@ -50,15 +50,26 @@ class RelayConfig:
 
 
 def relay_cpus() -> frozenset[int] | None:
-    """The cores outside this process's affinity (where a pinned executor's relay runs); None when it has them all."""
-    count = os.cpu_count() or 1
-    others = frozenset(range(count)) - frozenset(os.sched_getaffinity(0))
+    """The cores this process's parent may use and it may not: where a pinned executor's relay runs. The parent
+    (``ordinal serve``, a bench, a shell) gave the executor cores of its own out of its own; the relay goes to the
+    rest, where the parent's other services run. None when there are none: the executor was not pinned apart (the
+    whole stack under one ``taskset``, say, where a relay would only add a process to the same cores), or the parent
+    is not visible (a container's first process)."""
+    parent = os.getppid()
+    if parent <= 0:
+        return None
+    try:
+        theirs = os.sched_getaffinity(parent)
+    except OSError:
+        return None
+    others = frozenset(theirs) - frozenset(os.sched_getaffinity(0))
     return others or None
 
 
 def wants_relay(setting: str, device: str) -> bool:
-    """``--grammar-mask-relay``: on, off, or auto (on for a CPU executor pinned to some of the cores, whose relay
-    then runs on the others; a CUDA executor's host threads are not its critical path)."""
+    """``--grammar-mask-relay``: on, off, or auto (on for a CPU executor pinned apart from the process that started
+    it, the relay then on that process's other cores: :func:`relay_cpus`; a CUDA executor's host threads are not its
+    critical path)."""
     if setting == "auto":
         return torch.device(device).type == "cpu" and relay_cpus() is not None
     return setting == "on"

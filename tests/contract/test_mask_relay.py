@@ -259,14 +259,23 @@ def test_the_relay_ends_with_its_executor_even_by_sigkill(target: str) -> None:
         owner.kill()
 
 
-def test_auto_runs_the_relay_only_for_a_cpu_executor_pinned_to_some_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--grammar-mask-relay auto``: on for a CPU executor pinned to some of the cores (the relay then runs on the
-    others), off for one that may use them all and for CUDA; on and off as said."""
+def test_auto_runs_the_relay_only_for_a_cpu_executor_pinned_apart_from_its_parent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--grammar-mask-relay auto``: on for a CPU executor pinned to fewer cores than the process that started it
+    (bench/spec.py pins it so), the relay then on the parent's other cores; off where the whole stack shares one set
+    of cores (``taskset -c 1 ordinal serve``: a relay would only add a process to them), where the parent is not
+    visible (a container's first process), and on CUDA; on and off as said. Fails if relay_cpus took every core of
+    the machine outside the executor's (the taskset case would then put a relay on a core the user did not give)."""
+    affinity = {0: {1}, 4242: {0, 1}}  # this process (pid 0 = self), its parent
+    monkeypatch.setattr(mask_relay.os, "getppid", lambda: 4242)
     monkeypatch.setattr(mask_relay.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(mask_relay.os, "sched_getaffinity", lambda pid: {1, 2, 3})
+    monkeypatch.setattr(mask_relay.os, "sched_getaffinity", lambda pid: affinity[pid])
     assert mask_relay.relay_cpus() == frozenset({0})
     assert wants_relay("auto", "cpu") and not wants_relay("auto", "cuda")
     assert not wants_relay("off", "cpu") and wants_relay("on", "cuda")
-    monkeypatch.setattr(mask_relay.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    affinity[4242] = {1}  # the whole stack on core 1
     assert mask_relay.relay_cpus() is None
     assert not wants_relay("auto", "cpu") and wants_relay("on", "cpu")
+    monkeypatch.setattr(mask_relay.os, "getppid", lambda: 0)
+    assert mask_relay.relay_cpus() is None

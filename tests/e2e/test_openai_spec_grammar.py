@@ -3,17 +3,19 @@
 The seed: forced tool calls with EAGLE failed with "Tokens not accepted" because the verify mask was built from a
 grammar state one step old. Here one ``ordinal serve`` stack runs n-gram speculation (chains of 4, adaptive off, so
 every decode step drafts) with the grammar under overlap (delayed verify: each step's forward starts before its
-draft masks exist), the executor's masks carried by its mask relay process (``--grammar-mask-relay on``). The real
-``openai`` client sends, 20 at a time, chat requests with the seed's json_schema and ``max_tokens`` 64, then forced
-tool calls (``tool_choice: "required"`` over two tools), half streamed. Every answer must end with "stop" /
-"tool_calls", parse, and validate against its schema; the executor's counters must show drafts accepted under the
-grammar. A mask from another grammar state would let a token through that the grammar's commit then refuses (the
-request ends as an abort) or yield JSON that does not validate.
+draft masks exist), the executor pinned to a core of its own (``--executor-cpus``) and its masks carried by its mask
+relay process on the others (``--grammar-mask-relay`` auto). The real ``openai`` client sends, 20 at a time, chat
+requests with the seed's json_schema and ``max_tokens`` 64, then forced tool calls (``tool_choice: "required"`` over
+two tools), half streamed. Every answer must end with "stop" / "tool_calls", parse, and validate against its schema;
+the executor's counters must show drafts accepted under the grammar. A mask from another grammar state would let a
+token through that the grammar's commit then refuses (the request ends as an abort) or yield JSON that does not
+validate.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,12 +65,20 @@ def stack(embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     flags = ["--port", "0", "--executor-port", "0", "--grammar-port", "0", "--gateway-port", "0"]
     flags += ["--metrics-port", str(metrics), "--served-model-name", MODEL, "--num-pages", "1024"]
     flags += ["--speculative-algorithm", "ngram", "--speculative-num-steps", "4", "--speculative-adaptive", "off"]
-    flags += ["--grammar-mask-relay", "on"]  # the executor's masks through its relay process (auto: off unpinned)
+    # The executor pinned apart, as a CPU deployment runs it; its masks then come through its relay process (auto),
+    # on the cores of the others. With one core the relay is asked for outright.
+    cores = sorted(os.sched_getaffinity(0))
+    executor, rest = {cores[-1]}, set(cores[:-1])
+    flags += ["--executor-cpus", str(cores[-1])] if rest else ["--grammar-mask-relay", "on"]
     served = start_serve(tmp_path_factory.mktemp("spec-grammar") / "serve.stderr", embedded_model_dir, *flags)
     relays: list[int] = []
     try:
         relays = _children(served.pids["executor"], "services.mask_relay_process")
         assert len(relays) == 1, "the executor did not start its mask relay"
+        if rest:
+            assert os.sched_getaffinity(served.pids["executor"]) == executor
+            assert os.sched_getaffinity(served.pids["scheduler"]) == rest
+            assert os.sched_getaffinity(relays[0]) == rest
         yield served, f"http://127.0.0.1:{metrics + 1}/metrics"  # the executor's
     finally:
         code = served.stop()

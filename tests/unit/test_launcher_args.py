@@ -80,12 +80,19 @@ def test_engine_argv_round_trips_every_engine_flag() -> None:
         "7.5",
         "--cpu-threads",
         "3",
+        "--executor-cpus",
+        "1,3-4",
+        "--grammar-mask-relay",
+        "on",
     ]
     parser = _engine_parser()
     args = parser.parse_args(flags)
     again = parser.parse_args(["--model", "/m", *engine_argv(args)])
     assert engine_config(again) == engine_config(args)
-    assert again.cpu_threads == 3  # a process setting of the executor, not part of the engine config
+    # Process settings of the executor, not part of the engine config:
+    assert (again.cpu_threads, again.executor_cpus, again.grammar_mask_relay) == (3, frozenset({1, 3, 4}), "on")
+    unpinned = parser.parse_args(["--model", "/m"])
+    assert parser.parse_args(["--model", "/m", *engine_argv(unpinned)]).executor_cpus is None
     assert engine_config(args) == EngineConfig(
         model_path="/m",
         device="cuda:1",
@@ -470,3 +477,30 @@ def test_the_executor_leaves_a_core_to_the_others_on_a_cpu_device() -> None:
     assert cpu_threads(0, "cuda:0") is None
     with pytest.raises(SystemExit, match="--cpu-threads"):
         cpu_threads(-1, "cpu")
+
+
+def test_executor_cores_parse_as_taskset_spells_them_and_bad_ones_are_named() -> None:
+    """--executor-cpus: ``1``, ``1,3``, ``2-5``, ``0,2-3``; anything else is a usage error naming the value."""
+    from services.flags import parse_cpus
+
+    assert parse_cpus("1") == frozenset({1})
+    assert parse_cpus("0,2-3") == frozenset({0, 2, 3})
+    assert parse_cpus("2-5") == frozenset({2, 3, 4, 5})
+    for bad in ("", "a", "3-1", "1,,2", "-1", "1-"):
+        with pytest.raises(argparse.ArgumentTypeError, match="taskset"):
+            parse_cpus(bad)
+
+
+@pytest.mark.parametrize(
+    ("cores", "message"),
+    [("4096", "may run on cores"), ("ALL", "leaves no core for the scheduler")],
+)
+def test_serve_refuses_executor_cores_it_cannot_give_before_starting_anything(cores: str, message: str) -> None:
+    """``ordinal serve --executor-cpus``: cores the launcher may not use, or all of its cores (none would be left for
+    the other services), are refused with exit code 2-style usage text before any service starts."""
+    if cores == "ALL":
+        cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    argv = [sys.executable, "-m", "services.launcher", "serve", "--no-gateway", "--executor-cpus", cores]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert "ready" not in done.stdout.lower()
