@@ -39,6 +39,7 @@ from services.mask_relay_process import STOP_TIMEOUT_S, Frame, FrameReader, send
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0  # a relay that has not started by then will not
+RELAY_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -120,12 +121,16 @@ class MaskRelay:
                 return RelayedMasks(self, -1, 0.0, entries, out, starts, failed=str(exc))
             number = self._sent
             self._sent += 1
+            # The relay's own stream answers a reply that is late as failed by ``wait_s`` after it got the request;
+            # the executor waits a little longer, counted from before the send, so that such an answer (the relay
+            # healthy, the service late) comes first and does not cost the relay itself.
+            deadline = time.monotonic() + wait_s + RELAY_MARGIN_S
             try:
                 send_frame(sock, number, Frame.REQUEST, payload, wait_s)
             except OSError as exc:
                 failed = self._drop(f"the mask relay could not take a request ({exc})")
                 return RelayedMasks(self, number, 0.0, entries, out, starts, failed=str(failed))
-        return RelayedMasks(self, number, time.monotonic() + wait_s, entries, out, starts)
+        return RelayedMasks(self, number, deadline, entries, out, starts)
 
     def receive(self, number: int, deadline: float) -> pb.StreamReply:
         """The reply to request ``number``, waiting until ``deadline``; replies to earlier requests nobody took are
@@ -181,6 +186,9 @@ class MaskRelay:
             self._process = subprocess.Popen(
                 wrapped, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
             )
+        except OSError as exc:
+            ours.close()
+            raise GrammarStreamError(f"the mask relay could not be started ({exc})") from None
         finally:
             theirs.close()
         # Blocking: every receive has a deadline of its own, and a send cannot block for long, since a relay that
@@ -238,6 +246,11 @@ class RelayedMasks:
         self._out = out
         self._starts = starts
         self._failed = failed
+
+    @property
+    def deadline(self) -> float:
+        """When (time.monotonic) the executor stops waiting for this reply and drops the relay."""
+        return self._deadline
 
     def result(self) -> MaskRefusals:
         if self._failed is not None:

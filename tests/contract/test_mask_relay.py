@@ -29,7 +29,7 @@ from engine.grammar_calls import CommitEntry, DraftTree, MaskEntry, Refusal
 from engine.model.tokenizer import Tokenizer
 from services import mask_relay
 from services.grammar_client import MASK_REPLY_MARGIN_S, GrammarClient, GrammarStreamError, RemoteGrammar
-from services.mask_relay import MaskRelay, RelayConfig, wants_relay
+from services.mask_relay import RELAY_MARGIN_S, MaskRelay, RelayConfig, wants_relay
 from tests.support.servers import GrammarThread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +39,15 @@ WAIT_S = 10.0  # every wait in these tests is bounded by this
 
 
 @pytest.fixture(scope="module")
-def target(compiler: ConstraintCompiler) -> Iterator[str]:
+def served(compiler: ConstraintCompiler) -> Iterator[GrammarThread]:
     served = GrammarThread(compiler)
-    yield f"127.0.0.1:{served.port}"
+    yield served
     served.stop()
+
+
+@pytest.fixture(scope="module")
+def target(served: GrammarThread) -> str:
+    return f"127.0.0.1:{served.port}"
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +189,11 @@ def test_a_reply_nobody_took_never_answers_the_next_request_through_the_relay(
 def test_a_stuck_relay_fails_its_step_at_the_deadline_and_the_next_request_starts_a_new_one(
     relay: MaskRelay, scheduler: GrammarClient, compiler: ConstraintCompiler
 ) -> None:
-    """A relay that stops answering (SIGSTOP: a stalled process) costs the step waiting on it its masks, at the
-    fence deadline plus MASK_REPLY_MARGIN_S, never a hang; it is killed, and the next request starts a new relay
-    that answers. Enforced by `raise self._drop("the mask relay did not answer in time")` in MaskRelay.receive:
-    without the drop the stuck relay stays, and the next request's reply never comes either (it fails too)."""
+    """A relay that stops answering (SIGSTOP: a stalled process) costs the step waiting on it its masks, at the fence
+    deadline plus MASK_REPLY_MARGIN_S and RELAY_MARGIN_S, never a hang; it is killed, and the next request
+    starts a new relay that answers. Enforced by `raise self._drop("the mask relay did not answer in time")` in
+    MaskRelay.receive: without the drop the stuck relay stays, and the next request's reply never comes either
+    (it fails too)."""
     rid = open_one(scheduler)
     stuck = relay.pid
     assert stuck is not None
@@ -199,7 +205,8 @@ def test_a_stuck_relay_fails_its_step_at_the_deadline_and_the_next_request_start
         with pytest.raises(GrammarStreamError, match="did not answer in time"):
             relay.fill_masks_into([MaskEntry(rid, 0)], 0.2, out, [0])
         took = time.monotonic() - started
-        assert 0.2 + MASK_REPLY_MARGIN_S - 0.1 <= took < 0.2 + MASK_REPLY_MARGIN_S + 2.0, took
+        waited = 0.2 + MASK_REPLY_MARGIN_S + RELAY_MARGIN_S
+        assert waited - 0.1 <= took < waited + 2.0, took
         assert _wait_gone(stuck), "the stuck relay was left running"
         again = bitmask(compiler, 1)
         assert relay.fill_masks_into([MaskEntry(rid, 0)], 0.0, again, [0]) == {}
@@ -207,6 +214,34 @@ def test_a_stuck_relay_fails_its_step_at_the_deadline_and_the_next_request_start
     finally:
         if _alive(stuck):
             os.kill(stuck, signal.SIGKILL)
+        assert scheduler.stream_release([rid]) == [None]
+
+
+def test_a_late_service_fails_the_step_through_the_relay_and_the_relay_stays(
+    relay: MaskRelay, scheduler: GrammarClient, served: GrammarThread, compiler: ConstraintCompiler
+) -> None:
+    """A grammar service that does not answer in time (its loop frozen) costs the step its masks with the relay's
+    own stream's message, and the relay, healthy, stays: the executor waits RELAY_MARGIN_S longer than the relay's
+    stream does, counted from before the send, so the relay's failed answer comes first. Fails with RELAY_MARGIN_S
+    = 0 at the deadline's check (and, in most runs, at the relay's pid: the two deadlines then lie a fraction of a
+    millisecond apart, and the executor, passing its own first, kills a relay that did nothing wrong)."""
+    rid = open_one(scheduler)
+    try:
+        out = bitmask(compiler, 1)
+        assert relay.fill_masks_into([MaskEntry(rid, 0)], 0.0, out, [0]) == {}
+        before = relay.pid
+        thaw = served.freeze()
+        try:
+            wait = relay.start_masks([MaskEntry(rid, 0)], 0.2, out, [0])
+            assert wait.deadline - time.monotonic() > 0.2 + MASK_REPLY_MARGIN_S + 0.5  # the margin over the relay's
+            with pytest.raises(GrammarStreamError, match="did not answer within"):
+                wait.result()
+        finally:
+            thaw.set()
+        assert relay.pid == before
+        assert relay.fill_masks_into([MaskEntry(rid, 0)], 0.0, out, [0]) == {}  # a new stream, the same relay
+        assert relay.pid == before
+    finally:
         assert scheduler.stream_release([rid]) == [None]
 
 
