@@ -42,6 +42,7 @@ from services.flags import (
     add_engine_tuning_args,
     add_json_schema_args,
     add_model_args,
+    cpus_text,
     engine_argv,
     engine_config,
     json_schema_argv,
@@ -328,7 +329,7 @@ def _pin_apart(executor: frozenset[int] | None) -> None:
     if executor is None:
         return
     own = frozenset(os.sched_getaffinity(0))
-    cores = ",".join(str(c) for c in sorted(executor))
+    cores = cpus_text(executor)
     if not executor <= own:
         raise SystemExit(f"ordinal serve: --executor-cpus {cores}: this process may run on cores {sorted(own)} only")
     rest = own - executor

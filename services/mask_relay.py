@@ -32,6 +32,7 @@ import torch
 
 from engine.grammar_calls import MaskEntry, MaskRefusals
 from protos import grammar_pb2 as pb
+from services.flags import cpus_text
 from services.grammar import convert
 from services.grammar_client import GrammarStreamError, mask_stream_request
 from services.mask_relay_process import STOP_TIMEOUT_S, Frame, FrameReader, send_frame
@@ -179,7 +180,7 @@ class MaskRelay:
         cmd = [sys.executable, "-m", "services.mask_relay_process", "--grammar", self._config.target, "--fd",
                str(theirs.fileno())]  # fmt: skip
         if self._config.cpus is not None:
-            cmd += ["--cpus", ",".join(str(c) for c in sorted(self._config.cpus))]
+            cmd += ["--cpus", cpus_text(self._config.cpus)]
         # Started through parent_death: the relay dies with the executor, even by SIGKILL.
         wrapped = [sys.executable, "-m", "services.parent_death", str(os.getpid()), *cmd]
         try:
