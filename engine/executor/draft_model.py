@@ -39,6 +39,7 @@ from engine.executor.proposer import NO_DRAFT, Draft, DraftGrammar, DraftRequest
 from engine.executor.sampler import Sampler, race
 from engine.grammar_calls import DraftTree
 from engine.kv.pool import KVPool
+from engine.model.draft_chain import ChainRow, DraftChain
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
@@ -46,6 +47,9 @@ from engine.model_info import ModelInfo
 
 # Separates a request's draft random stream from its own (the target's sampling) stream.
 _DRAFT_STREAM = 0x5DEECE66D
+# The native chain runs a catch-up as one batched forward of its tokens (single-threaded, so a long one, a
+# request's first draft after a long prompt, is left to the torch forward and its threads).
+_CHAIN_MAX_FEED = 256
 
 
 @dataclass
@@ -109,6 +113,8 @@ class DraftModelProposer:
         self._device = kv.device
         self._sampler = Sampler(vocab_size, kv.device)
         self._slots: dict[int, _SlotDraft] = {}
+        # Greedy unmasked chains run natively where they can (engine/model/draft_chain.py); None: all on torch.
+        self._chain = DraftChain.build(model, kv, vocab_size)
 
     @classmethod
     def load(
@@ -163,6 +169,35 @@ class DraftModelProposer:
 
     def _draft(self, live: list[_Growing]) -> None:
         seqs = [self._catch_up(g.request) for g in live]
+        chained = [i for i, (g, seq) in enumerate(zip(live, seqs, strict=True)) if self._chains(g, seq)]
+        if chained:
+            self._draft_chains([live[i] for i in chained], [seqs[i] for i in chained])
+            rest = sorted(set(range(len(live))) - set(chained))
+            live, seqs = [live[i] for i in rest], [seqs[i] for i in rest]
+        if live:
+            self._draft_forwards(live, seqs)
+
+    def _chains(self, g: _Growing, seq: SeqInput) -> bool:
+        """Whether ``g`` is drafted by the native chain: a greedy (or seeded) chain, no grammar masks to draft under,
+        a short catch-up."""
+        unmasked = self._masks is None or g.request.grammar is None
+        chain = g.request.topk <= 1 or g.siblings_left == 0
+        short = len(seq.token_ids) <= _CHAIN_MAX_FEED
+        return self._chain is not None and not g.sampled and unmasked and chain and short
+
+    def _draft_chains(self, live: list[_Growing], seqs: list[SeqInput]) -> None:
+        """Greedy chains in one native call: the same spines the forwards below would choose, to rounding."""
+        assert self._chain is not None
+        pairs = zip(live, seqs, strict=True)
+        rows = [ChainRow(seq.token_ids, seq.start_pos, g.request.pages, g.depth) for g, seq in pairs]
+        chosen = self._chain.run(rows).tokens
+        for g, tokens in zip(live, chosen, strict=True):
+            self._slots[g.request.slot].fed.extend(tokens[:-1])  # the chain fed all but its last token
+            for token in tokens:
+                self._grow(g, token, token, ())
+
+    def _draft_forwards(self, live: list[_Growing], seqs: list[SeqInput]) -> None:
+        """Every other draft, one batched torch forward per depth."""
         for d in range(1, max(g.depth for g in live) + 1):
             asking, pending = self._start_masks(live)
             try:

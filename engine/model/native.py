@@ -8,7 +8,8 @@ The compiled library lives in ``$ORDINAL_CACHE_DIR/kernels/`` (else ``~/.cache/o
 name that hashes the source, the compiler's identity and the flags, so a changed kernel or toolchain never
 loads a stale build. Set ``ORDINAL_NATIVE=0`` to force the pure torch paths (tests compare both).
 
-Module state: the only caches are :func:`_load_paged_decode` and :func:`_load_token_bitmask`, ``functools.cache``'d
+Module state: the only caches are :func:`_load_paged_decode`, :func:`_load_token_bitmask` and
+:func:`_load_draft_chain`, ``functools.cache``'d
 loaders, so a process compiles (or finds) and loads each library at most once and warns at most once when it cannot.
 """
 
@@ -38,6 +39,8 @@ K = TypeVar("K")  # a loaded kernel
 NATIVE_ENV = "ORDINAL_NATIVE"
 PAGED_DECODE_SOURCE = Path(__file__).with_name("paged_decode.c")
 TOKEN_BITMASK_SOURCE = Path(__file__).with_name("token_bitmask.c")
+DRAFT_CHAIN_SOURCE = Path(__file__).with_name("draft_chain.c")
+DRAFT_CHAIN_INCLUDES = (PAGED_DECODE_SOURCE,)  # `#include`d by it: part of what names its build
 # No -march=native (a cache directory may be shared between machines; the source picks ISA variants at run
 # time instead) and no -ffast-math (it would drop NaN/inf semantics everywhere; the `omp simd` pragmas license
 # reassociation exactly where the kernel needs it).
@@ -108,9 +111,13 @@ class Toolchain:
             tmp.unlink(missing_ok=True)
 
 
-def build_library(stem: str, source: Path, toolchain: Toolchain, cache_dir: Path) -> Path:
-    """The cached library for ``source``, compiling it first if this exact build is not cached yet."""
-    output = cache_dir / toolchain.library_name(stem, source.read_bytes())
+def build_library(
+    stem: str, source: Path, toolchain: Toolchain, cache_dir: Path, includes: tuple[Path, ...] = ()
+) -> Path:
+    """The cached library for ``source``, compiling it first if this exact build is not cached yet; the files it
+    ``includes`` are hashed with it, so a change to one of them is a new build too."""
+    text = b"\x00".join(path.read_bytes() for path in (source, *includes))
+    output = cache_dir / toolchain.library_name(stem, text)
     if not output.is_file():
         toolchain.compile(source, output)
     return output
@@ -309,11 +316,68 @@ def load_token_bitmask(toolchain: Toolchain, cache_dir: Path) -> TokenBitmaskKer
 
 
 def _build_and_load(
-    what: str, stem: str, source: Path, load: Callable[[Path], K], toolchain: Toolchain, cache_dir: Path
+    what: str,
+    stem: str,
+    source: Path,
+    load: Callable[[Path], K],
+    toolchain: Toolchain,
+    cache_dir: Path,
+    includes: tuple[Path, ...] = (),
 ) -> K | None:
     """Build (or find) the library ``stem`` of ``source`` in ``cache_dir`` and ``load`` it; None, warned, on failure."""
     try:
-        return load(build_library(stem, source, toolchain, cache_dir))
+        return load(build_library(stem, source, toolchain, cache_dir, includes))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("native %s kernel unavailable, using the torch path: %s", what, exc)
         return None
+
+
+@dataclass(frozen=True, eq=False)
+class DraftChainKernel:
+    """The loaded greedy draft chain kernel (``ordinal_draft_chain`` in ``draft_chain.c``): a draft model's whole
+    multi-step greedy decode over its paged KV in one call that releases the GIL. Called through
+    engine/model/draft_chain.py, which packs the weights and checks every shape first."""
+
+    path: Path
+    library: ctypes.CDLL
+
+    @classmethod
+    def load(cls, path: Path) -> DraftChainKernel:
+        """Load a compiled ``draft_chain`` library and declare the entry point's C signature."""
+        library = ctypes.CDLL(str(path))
+        fn = library.ordinal_draft_chain
+        fn.restype = ctypes.c_int
+        # embed, lm_head_t, final_norm, cos, sin, layers, dims | eps | batch | feed tokens and offsets, start_pos,
+        # page_tables, depths | max_depth | out_tokens, out_logits
+        fn.argtypes = [
+            *[ctypes.c_void_p] * 7,
+            ctypes.c_float,
+            ctypes.c_int64,
+            *[ctypes.c_void_p] * 5,
+            ctypes.c_int64,
+            *[ctypes.c_void_p] * 2,
+        ]
+        return cls(path, library)
+
+
+def draft_chain_kernel() -> DraftChainKernel | None:
+    """The native draft chain kernel, or None when ``ORDINAL_NATIVE=0`` or it cannot be built (warned once)."""
+    return _load_draft_chain() if native_enabled() else None
+
+
+@functools.cache
+def _load_draft_chain() -> DraftChainKernel | None:
+    return _load_with_found_toolchain(load_draft_chain, "greedy draft chains use the slower torch path")
+
+
+def load_draft_chain(toolchain: Toolchain, cache_dir: Path) -> DraftChainKernel | None:
+    """Build (or find) the draft chain library in ``cache_dir`` and load it; None, with a warning, on failure."""
+    return _build_and_load(
+        "draft chain",
+        "draft_chain",
+        DRAFT_CHAIN_SOURCE,
+        DraftChainKernel.load,
+        toolchain,
+        cache_dir,
+        DRAFT_CHAIN_INCLUDES,
+    )
