@@ -1,0 +1,227 @@
+"""The native greedy draft chain (engine/model/draft_chain.c) against the model's own torch forward.
+
+Every Llama family the loader reads (Llama 3 rope scaling, Qwen2 biases and a sliding window, Qwen3 q/k norms, Mistral
+with one kv head), with float32 weights and with bf16-valued ones (the kernel's half-width panels): a batch of rows
+with different catch-up runs, positions, scattered pages and depths gives the tokens the torch forward's argmax gives
+depth by depth, logits equal to rounding, and the same K/V in the pool. The proposer drafts the same chains natively
+as with ``ORDINAL_NATIVE=0`` over several steps of accepted and rejected drafts (its catch-up bookkeeping). Rows that
+would write outside their pages or read past the model are refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from engine.executor.draft_model import DraftModelProposer
+from engine.executor.proposer import DraftRequest
+from engine.executor.sampler import SamplingState
+from engine.kv.pool import KVPool
+from engine.model.draft_chain import ChainRow, DraftChain
+from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_model
+from engine.model.native import NATIVE_ENV, draft_chain_kernel
+from engine.sampling_params import SamplingParams
+from tests.support.models import single_thread  # noqa: F401  (an autouse fixture)
+
+PAGE_SIZE = 4
+NUM_PAGES = 64
+VOCAB = 300
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,  # 2 * 96 = 192 gate|up columns: six panels; q|k|v 128: four
+    "vocab_size": VOCAB,  # not a multiple of 32: the lm_head's last panel is padded
+}
+FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
+    "llama3": (
+        LlamaConfig,
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            "attention_bias": True,
+            "mlp_bias": True,
+        },
+    ),
+    "qwen2": (
+        Qwen2Config,
+        {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+    ),
+    "qwen3": (Qwen3Config, {"tie_word_embeddings": True, "head_dim": 32}),
+    "mistral": (MistralConfig, {"sliding_window": 8, "num_key_value_heads": 1}),
+}
+
+pytestmark = pytest.mark.skipif(draft_chain_kernel() is None, reason="the native draft chain kernel is not built")
+
+
+def _checkpoint(path: Path, family: str, bf16_values: bool) -> Path:
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(4321)
+    hf = AutoModelForCausalLM.from_config(config_cls(**{**TINY, **extra}))
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            noise = 0.15 * torch.randn_like(param)  # big enough that a wrong rope, norm or bias shows in the argmax
+            param.copy_(noise + 1.0 if "norm" in name else noise)
+            if bf16_values:
+                param.copy_(param.to(torch.bfloat16).float())
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=[(f, b) for f in sorted(FAMILIES) for b in (False, True)], ids=str)
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
+    family, bf16_values = request.param
+    path = _checkpoint(tmp_path_factory.mktemp(family), family, bf16_values)
+    loaded, _ = load_model(path, torch.float32, torch.device("cpu"))
+    return loaded
+
+
+def _pool(model: LlamaForCausalLM) -> KVPool:
+    c = model.config
+    return KVPool(c.num_layers, NUM_PAGES, PAGE_SIZE, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+
+
+def _torch_chain(model: LlamaForCausalLM, kv: KVPool, row: ChainRow) -> tuple[list[int], torch.Tensor]:
+    """The reference: the model's forward over the feed, then one forward per chosen token but the last."""
+    seq = SeqInput(tuple(row.feed), row.start_pos, row.pages, LogitsMode.LAST)
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
+    for depth in range(row.depth):
+        logits = model(ForwardBatch.build([seq], PAGE_SIZE, "cpu"), kv)[0, :VOCAB]  # [V]
+        rows.append(logits)
+        tokens.append(int(logits.argmax()))
+        seq = SeqInput((tokens[-1],), row.start_pos + len(row.feed) + depth, row.pages, LogitsMode.LAST)
+    return tokens, torch.stack(rows)
+
+
+def _prefill(model: LlamaForCausalLM, pools: list[KVPool], prompts: list[list[int]], tables: list[list[int]]) -> None:
+    for kv in pools:
+        seqs = [SeqInput(p, 0, t, LogitsMode.LAST) for p, t in zip(prompts, tables, strict=True)]
+        model(ForwardBatch.build(seqs, PAGE_SIZE, "cpu"), kv)
+
+
+def test_chains_match_the_torch_forward(model: LlamaForCausalLM) -> None:
+    """Three rows in one call: catch-ups of 1, 3 and 6 tokens after prompts of 9, 14 and 5, depths 4, 1 and 5, pages
+    scattered over the pool. Tokens equal, logits within 1e-4 of the largest, and the pool's K/V (every layer) equal
+    to the torch path's to rounding; positions past the sliding windows (6 and 8) are reached. Fails if the kernel's
+    rope, norms, biases, GQA grouping, window or pool writes differ from the model's."""
+    chain = DraftChain.build(model, _pool(model), VOCAB)
+    assert chain is not None
+    kv_native = chain_pool = chain._kv  # the pool the chain was built over
+    kv_torch = _pool(model)
+    shuffled = random.Random(3).sample(range(NUM_PAGES), NUM_PAGES)
+    tables = [shuffled[0:8], shuffled[8:16], shuffled[16:24]]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 5)]
+    _prefill(model, [kv_native, kv_torch], prompts, tables)
+    rows = [
+        ChainRow([rng.randrange(VOCAB) for _ in range(n)], len(p), t, depth)
+        for p, t, n, depth in zip(prompts, tables, (1, 3, 6), (4, 1, 5), strict=True)
+    ]
+    result = chain.run(rows, keep_logits=True)
+    assert result.logits is not None
+    for b, row in enumerate(rows):
+        tokens, logits = _torch_chain(model, kv_torch, row)
+        assert result.tokens[b] == tokens
+        scale = float(logits.abs().max())
+        assert float((result.logits[b, : row.depth] - logits).abs().max()) <= 1e-4 * scale
+    assert torch.allclose(chain_pool._buffer, kv_torch._buffer, atol=1e-5, rtol=1e-4)
+    assert chain._bf16 == bool(torch.equal(model.lm_head.weight, model.lm_head.weight.to(torch.bfloat16).float()))
+
+
+def test_rows_outside_their_pages_or_the_model_are_refused_before_anything_is_written(
+    model: LlamaForCausalLM,
+) -> None:
+    """Each bad row, alone or after a good one, raises ValueError and leaves the pool as it was. Fails if a check is
+    removed (the kernel would write outside the row's pages, or read past the rope tables or the vocabulary)."""
+    kv = _pool(model)
+    chain = DraftChain.build(model, kv, VOCAB)
+    assert chain is not None
+    good = ChainRow([1, 2], 4, [0, 1], 3)  # writes positions 4..6: pages 0 and 1
+    max_pos = model.model.rotary_emb.max_positions
+    bad = {
+        "too few pages": ChainRow([1, 2], 4, [0], 3),
+        "page outside the pool": ChainRow([1], 0, [NUM_PAGES], 1),
+        "negative page": ChainRow([1], 0, [-1], 1),
+        "depth 0": ChainRow([1], 0, [0], 0),
+        "no feed": ChainRow([], 0, [0], 1),
+        "past the positions": ChainRow([1], max_pos - 1, list(range(NUM_PAGES)), 2),
+        "token outside the vocabulary": ChainRow([model.config.vocab_size], 0, [0], 1),
+    }
+    before = kv._buffer.clone()
+    for name, row in bad.items():
+        for rows in ([row], [good, row]):
+            with pytest.raises(ValueError, match="chain row"):
+                chain.run(rows)
+            assert torch.equal(kv._buffer, before), name
+    with pytest.raises(ValueError, match="at least one row"):
+        chain.run([])
+
+
+def _request(slot: int, tokens: list[int], depth: int, pages: range, temperature: float = 0.0) -> DraftRequest:
+    state = SamplingState(SamplingParams(temperature=temperature), tuple(tokens[:-1]), frozenset(), VOCAB, "cpu", 0)
+    state.record(tokens[-1])
+    return DraftRequest(slot, tokens, len(tokens) - 1, pages, depth, depth, 1, state)
+
+
+def test_the_proposer_drafts_the_same_chains_natively_and_on_torch(
+    model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two proposers over the same model, one native, one with ``ORDINAL_NATIVE=0``, drive three greedy requests and
+    a sampled one (drafted on torch either way: its spine is drawn, not the argmax) through eight steps in which a
+    random prefix of each draft is accepted (so each catch-up feeds a different run: the accepted tokens, a
+    correction, or a whole prompt the first time). Every step's drafts are equal, as are the pools' K/V, and so is
+    every catch-up (start and length). Fails if the native path's bookkeeping of what the draft KV holds (``fed``)
+    differs from the torch path's (without it each catch-up re-feeds the accepted drafts), or if the proposer sends
+    a sampled request to the native argmax."""
+    c = model.config
+    draft_pages = NUM_PAGES // 4
+
+    def proposer() -> DraftModelProposer:
+        kv = KVPool(c.num_layers, NUM_PAGES, PAGE_SIZE, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+        return DraftModelProposer(model, kv, VOCAB, c.max_position_embeddings)
+
+    native = proposer()
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    plain = proposer()
+    monkeypatch.delenv(NATIVE_ENV)
+    assert native._chain is not None and plain._chain is None
+    fed: dict[str, list[tuple[int, int]]] = {"native": [], "plain": []}  # each catch-up's (start, length)
+    for name, p in (("native", native), ("plain", plain)):
+        catch_up = p._catch_up
+
+        def spy(r: DraftRequest, catch_up: Any = catch_up, log: list[tuple[int, int]] = fed[name]) -> SeqInput:
+            seq: SeqInput = catch_up(r)
+            log.append((seq.start_pos, len(seq.token_ids)))
+            return seq
+
+        monkeypatch.setattr(p, "_catch_up", spy)
+    rng = random.Random(11)
+    histories = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))] for _ in range(4)]
+    for step in range(8):
+        depths = [rng.randint(1, 4) for _ in histories]
+        requests = [
+            _request(slot, h, d, range(slot * draft_pages, (slot + 1) * draft_pages), 1.0 if slot == 3 else 0.0)
+            for slot, (h, d) in enumerate(zip(histories, depths, strict=True))
+        ]
+        drafts = native.propose(requests)
+        assert [d.tree for d in drafts] == [d.tree for d in plain.propose(requests)], f"step {step}"
+        for history, draft in zip(histories, drafts, strict=True):
+            kept = rng.randint(0, len(draft.tree.tokens))
+            history.extend([*draft.tree.tokens[:kept], rng.randrange(VOCAB)])  # accepted, then a new pending
+    assert torch.allclose(native._kv._buffer, plain._kv._buffer, atol=1e-5, rtol=1e-4)
+    assert fed["native"] == fed["plain"]  # the same catch-ups: only what the draft KV does not hold yet
