@@ -76,6 +76,8 @@ class DraftChain:
 
     def __init__(self, model: LlamaForCausalLM, kv: KVPool, vocab_size: int, kernel: DraftChainKernel) -> None:
         config = model.config
+        if not 0 < vocab_size <= config.vocab_size:
+            raise ValueError(f"vocab_size {vocab_size} must be within the model's {config.vocab_size} logits")
         self._kernel = kernel
         self._kv = kv
         self._vocab_size = vocab_size
