@@ -22,9 +22,12 @@ Each step the scheduler plans the depth d (0 .. the configured maximum) that max
 second, ``Σ E_r(d) / (verify(B + d·B_s) + draft(d, B_s))`` over its B decodes (B_s of them drafting). Depth 0 is
 plain decoding, so the rule picks speculation only where the measured model says it is faster. To keep the
 model honest it plans the opposite choice now and then: while drafting, a plain step once every ``explore_every``
-steps; while decoding plainly, the full depth after a gap that starts at ``explore_every`` and doubles (up to
-``max_explore_every``) each time plain decoding still wins, and with only ``explore_requests`` of the batch drafting,
-since a drafting step over a large batch costs several plain ones. Until the cost model has seen two different step
+steps, the gap doubling (up to ``max_plain_gap``) while drafting wins by ``wide_margin`` or more (a plain probe
+costs a step's worth of drafted tokens, and where the margin is wide a somewhat stale fit cannot flip the choice;
+at one stream with the native draft chain the fixed period cost about 4% of the throughput); while decoding
+plainly, the full depth after a gap that starts at ``explore_every`` and doubles (up to ``max_explore_every``) each
+time plain decoding still wins, and with only ``explore_requests`` of the batch drafting, since a drafting step over
+a large batch costs several plain ones. Until the cost model has seen two different step
 sizes it alternates the full depth and none.
 
 A request whose acceptance falls below ``min_alpha`` stops drafting for ``pause`` steps (doubled on each relapse
@@ -42,6 +45,8 @@ from engine.config import SpeculativeConfig
 class SpecPolicyConfig:
     explore_every: int = 16
     max_explore_every: int = 256
+    wide_margin: float = 1.3  # drafting's modelled tokens/s over plain's at which plain probes thin out
+    max_plain_gap: int = 64  # the longest gap between plain probes while drafting (the fit still sees small steps)
     explore_requests: int = 4  # how many of a step's requests draft when it explores drafting
     forgetting: float = 0.97  # weight kept by past observations per new one (cost fits and acceptances)
     prior_tokens: float = 2.0  # strength of the engine-wide acceptance as a request's prior
@@ -108,12 +113,16 @@ class SpecPolicy:
     _sizes: set[int] = field(default_factory=set)
     _explore_gap: int = 0
     _next_explore: int = 0
+    _plain_gap: int = 0
+    _next_plain: int = 0
     _explore_quota: int | None = None  # requests of the exploring step that may still draft; None: not exploring
 
     def __post_init__(self) -> None:
         self._verify = _LinearFit(self.config.forgetting)
         self._draft = _LinearFit(self.config.forgetting)
         self._explore_gap = self.config.explore_every
+        self._plain_gap = self.config.explore_every
+        self._next_plain = self.config.explore_every - 1
 
     # ---------------------------------------------------------------- choosing
 
@@ -123,15 +132,28 @@ class SpecPolicy:
         self._explore_quota = None
         if not self.spec.adaptive or top == 0 or not requests:
             return top
-        best = self._best_depth(requests)
-        if best is None:
+        choice = self._best_depth(requests)
+        if choice is None:
             return 0 if self._step % 2 else top  # learning: the cost model needs two step sizes to mean anything
+        best, margin = choice
         if best == 0:
             return self._explore_drafting()
         self._explore_gap = self.config.explore_every  # drafting pays: a plain step now and then keeps it honest
-        if self._step % self.config.explore_every == self.config.explore_every - 1:
-            return 0
-        return best
+        return self._probe_plain(best, margin)
+
+    def _probe_plain(self, best: int, margin: float) -> int:
+        """While drafting pays: ``best``, but depth 0 once per gap. The gap is ``explore_every`` while the margin of
+        drafting over plain is thin, and doubles (up to ``max_plain_gap``) after each probe while it is wide."""
+        wide = margin >= self.config.wide_margin
+        if not wide:
+            self._plain_gap = self.config.explore_every
+            self._next_plain = min(self._next_plain, self._step + self._plain_gap)
+        if self._step < self._next_plain:
+            return best
+        self._next_plain = self._step + self._plain_gap
+        if wide:
+            self._plain_gap = min(2 * self._plain_gap, self.config.max_plain_gap)
+        return 0
 
     def _explore_drafting(self) -> int:
         """While plain decoding wins: the full depth once per gap, the gap doubling (up to ``max_explore_every``)
@@ -171,7 +193,9 @@ class SpecPolicy:
         prior = (self._accepted + 0.5 * k) / (self._trials + k)
         return (req.accepted + k * prior) / (req.trials + k)
 
-    def _best_depth(self, requests: list[RequestSpec]) -> int | None:
+    def _best_depth(self, requests: list[RequestSpec]) -> tuple[int, float] | None:
+        """The depth with the most modelled tokens per second, and its rate over plain decoding's (None: the cost
+        model cannot tell yet)."""
         verify, draft = self._verify.weights(), self._draft.weights() or self._draft.first_only()
         if verify is None or len(self._sizes) < 2:
             return None
@@ -181,14 +205,15 @@ class SpecPolicy:
         n, drafting = len(requests), len(alphas)
         powers = [1.0] * drafting  # α_r^d
         tokens = float(n)  # at depth 0 every request gives its one sampled token
-        best, best_rate = 0, tokens / (a + b * n) if a + b * n > 0 else 0.0
+        plain_rate = tokens / (a + b * n) if a + b * n > 0 else 0.0
+        best, best_rate = 0, plain_rate
         for d in range(1, self.spec.draft_nodes + 1):
             powers = [p * alpha for p, alpha in zip(powers, alphas, strict=True)]
             tokens += sum(powers)
             seconds = a + b * (n + d * drafting) + d * (c + e * drafting)
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = d, tokens / seconds
-        return best
+        return best, (best_rate / plain_rate if plain_rate > 0 else float("inf"))
 
     # ---------------------------------------------------------------- observing
 

@@ -96,12 +96,27 @@ def test_a_large_batch_where_verifying_costs_more_than_it_gains_decodes_plainly(
     assert all(later >= 2 * earlier for earlier, later in itertools.pairwise(gaps)), gaps
 
 
-def test_exploring_plain_decoding_while_drafting_keeps_its_period() -> None:
-    """While drafting pays, a plain step comes once every explore_every steps, at a fixed period."""
-    policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16))
+def test_exploring_plain_decoding_while_drafting_thinly_keeps_its_period() -> None:
+    """While drafting pays by a thin margin (depth 1, about 1.2x plain's modelled rate), a plain step comes once
+    every explore_every steps, at a fixed period."""
+    policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16, wide_margin=1.3))
+    machine = Machine(fixed=2.0, per_token=0.25, draft_fixed=0.3, draft_per_request=0.01)
+    chosen = _drive(policy, machine, batch=1, alpha=0.5, steps=300)
+    plain = [i for i, d in enumerate(chosen) if d == 0 and i >= 40]
+    assert {b - a for a, b in itertools.pairwise(plain)} == {16}
+
+
+def test_plain_probes_thin_out_while_drafting_wins_widely() -> None:
+    """Drafting at about 1.85x plain's modelled rate: the gaps between plain probes double from explore_every up to
+    max_plain_gap and stay there (the fit keeps seeing plain steps). Fails if the gap stays at explore_every (ten
+    probes in the last 160 steps, not two or three) or grows without the cap."""
+    policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16, max_plain_gap=64))
     machine = Machine(fixed=2.0, per_token=0.05, draft_fixed=0.3, draft_per_request=0.01)
-    chosen = _drive(policy, machine, batch=1, alpha=0.8, steps=200)
-    assert chosen[-160:].count(0) == 10
+    chosen = _drive(policy, machine, batch=1, alpha=0.8, steps=400)
+    plain = [i for i, d in enumerate(chosen) if d == 0 and i >= 10]
+    gaps = [b - a for a, b in itertools.pairwise(plain)]
+    assert gaps[:2] == [16, 32] and set(gaps[2:]) == {64}, gaps
+    assert chosen[-100:].count(4) >= 90
 
 
 def test_poor_acceptance_turns_speculation_down() -> None:
