@@ -11,6 +11,7 @@ would write outside their pages or read past the model are refused before anythi
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,15 @@ from engine.model.draft_chain import ChainRow, DraftChain
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
-from engine.model.native import NATIVE_ENV, draft_chain_kernel
+from engine.model.native import (
+    DRAFT_CHAIN_INCLUDES,
+    DRAFT_CHAIN_SOURCE,
+    NATIVE_ENV,
+    DraftChainKernel,
+    Toolchain,
+    build_library,
+    draft_chain_kernel,
+)
 from engine.sampling_params import SamplingParams
 from tests.support.models import single_thread  # noqa: F401  (an autouse fixture)
 
@@ -225,3 +234,20 @@ def test_the_proposer_drafts_the_same_chains_natively_and_on_torch(
             history.extend([*draft.tree.tokens[:kept], rng.randrange(VOCAB)])  # accepted, then a new pending
     assert torch.allclose(native._kv._buffer, plain._kv._buffer, atol=1e-5, rtol=1e-4)
     assert fed["native"] == fed["plain"]  # the same catch-ups: only what the draft KV does not hold yet
+
+
+def test_the_build_is_named_by_the_attention_source_it_includes_too(tmp_path: Path) -> None:
+    """draft_chain.c includes paged_decode.c: a change to the included file alone is a new build (another cached
+    library), so a process never loads a chain compiled against an older attention. Fails if the includes are left
+    out of the library's name."""
+    toolchain = Toolchain.find()
+    assert toolchain is not None  # the kernel was built (module skip above), so a compiler exists
+    sources = tmp_path / "src"
+    sources.mkdir()
+    source = Path(shutil.copy(DRAFT_CHAIN_SOURCE, sources))
+    (included,) = (Path(shutil.copy(path, sources)) for path in DRAFT_CHAIN_INCLUDES)
+    first = build_library("draft_chain", source, toolchain, tmp_path / "cache", (included,))
+    included.write_text(included.read_text() + "\n/* a changed attention kernel */\n")
+    second = build_library("draft_chain", source, toolchain, tmp_path / "cache", (included,))
+    assert second != first and first.is_file() and second.is_file()
+    DraftChainKernel.load(second)  # and it loads, its entry point declared
