@@ -47,7 +47,7 @@ from engine.model_info import ModelInfo
 
 # Separates a request's draft random stream from its own (the target's sampling) stream.
 _DRAFT_STREAM = 0x5DEECE66D
-# The native chain runs a catch-up as one batched forward of its tokens (single-threaded, so a long one, a
+# The native kernel runs a catch-up as one batched forward of its tokens (single-threaded, so a long one, a
 # request's first draft after a long prompt, is left to the torch forward and its threads).
 _CHAIN_MAX_FEED = 256
 
@@ -197,11 +197,12 @@ class DraftModelProposer:
                 self._grow(g, token, token, ())
 
     def _draft_forwards(self, live: list[_Growing], seqs: list[SeqInput]) -> None:
-        """Every other draft, one batched torch forward per depth."""
+        """Every other draft (sampled spines, trees, drafts under the grammar), one batched forward per depth and the
+        choice between them here."""
         for d in range(1, max(g.depth for g in live) + 1):
             asking, pending = self._start_masks(live)
             try:
-                logits = self._model(ForwardBatch.build(seqs, self._kv.page_size, self._device), self._kv)  # [B, V]
+                logits = self._forward(seqs)  # [B, >= V]
             except BaseException:
                 if pending is not None:
                     pending.close()  # an open fence would be filled by later commits into a buffer nobody reads
@@ -213,6 +214,16 @@ class DraftModelProposer:
                 return
             seqs = [self._feed(g, d) for g in still]
             live = still
+
+    def _forward(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """One depth's logits [B, >= V]: a depth-1 native chain where it can run (its logits kept, its argmax unused),
+        else the model's torch forward (a long catch-up, or no native kernel)."""
+        if self._chain is not None and all(len(seq.token_ids) <= _CHAIN_MAX_FEED for seq in seqs):
+            rows = [ChainRow(seq.token_ids, seq.start_pos, seq.page_table, 1) for seq in seqs]
+            logits = self._chain.run(rows, keep_logits=True).logits
+            assert logits is not None
+            return logits[:, 0]  # [B, V]
+        return self._model(ForwardBatch.build(seqs, self._kv.page_size, self._device), self._kv)  # [B, Vm]
 
     def _start_masks(self, live: list[_Growing]) -> tuple[list[int], PendingDraftMasks | None]:
         """This depth's masks for the constrained requests of ``live`` (their indices), asked before the forward."""

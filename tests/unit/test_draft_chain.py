@@ -181,22 +181,31 @@ def test_rows_outside_their_pages_or_the_model_are_refused_before_anything_is_wr
         chain.run([])
 
 
-def _request(slot: int, tokens: list[int], depth: int, pages: range, temperature: float = 0.0) -> DraftRequest:
+# Per slot: (temperature, topk). Two greedy chains (the native chain), a greedy tree and a sampled chain (drafted a
+# depth at a time: the native forward's logits, or torch's, chosen from in Python).
+_KINDS = ((0.0, 1), (0.0, 1), (0.0, 2), (1.0, 1))
+
+
+def _request(
+    slot: int, tokens: list[int], depth: int, pages: range, temperature: float = 0.0, topk: int = 1
+) -> DraftRequest:
     state = SamplingState(SamplingParams(temperature=temperature), tuple(tokens[:-1]), frozenset(), VOCAB, "cpu", 0)
     state.record(tokens[-1])
-    return DraftRequest(slot, tokens, len(tokens) - 1, pages, depth, depth, 1, state)
+    nodes = depth * topk  # a tree: up to topk - 1 siblings beside each spine token
+    return DraftRequest(slot, tokens, len(tokens) - 1, pages, nodes, depth, topk, state)
 
 
 def test_the_proposer_drafts_the_same_chains_natively_and_on_torch(
     model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two proposers over the same model, one native, one with ``ORDINAL_NATIVE=0``, drive three greedy requests and
-    a sampled one (drafted on torch either way: its spine is drawn, not the argmax) through eight steps in which a
-    random prefix of each draft is accepted (so each catch-up feeds a different run: the accepted tokens, a
-    correction, or a whole prompt the first time). Every step's drafts are equal, as are the pools' K/V, and so is
+    """Two proposers over the same model, one native, one with ``ORDINAL_NATIVE=0``, drive two greedy chains, a
+    greedy tree and a sampled chain (the last two drafted a depth at a time: siblings from the ranked row, a spine
+    drawn from the draft's distribution, from native logits or torch's, never the native argmax) through eight steps
+    in which a random prefix of each draft is accepted (so each catch-up feeds a different run: the accepted tokens,
+    a correction, or a whole prompt the first time). Every step's drafts are equal, as are the pools' K/V, and so is
     every catch-up (start and length). Fails if the native path's bookkeeping of what the draft KV holds (``fed``)
-    differs from the torch path's (without it each catch-up re-feeds the accepted drafts), or if the proposer sends
-    a sampled request to the native argmax."""
+    differs from the torch path's (without it each catch-up re-feeds the accepted drafts), if a depth-at-a-time
+    forward's logits differ from torch's, or if the proposer sends a sampled request to the native argmax."""
     c = model.config
     draft_pages = NUM_PAGES // 4
 
@@ -224,7 +233,7 @@ def test_the_proposer_drafts_the_same_chains_natively_and_on_torch(
     for step in range(8):
         depths = [rng.randint(1, 4) for _ in histories]
         requests = [
-            _request(slot, h, d, range(slot * draft_pages, (slot + 1) * draft_pages), 1.0 if slot == 3 else 0.0)
+            _request(slot, h, d, range(slot * draft_pages, (slot + 1) * draft_pages), *_KINDS[slot])
             for slot, (h, d) in enumerate(zip(histories, depths, strict=True))
         ]
         drafts = native.propose(requests)
