@@ -50,6 +50,9 @@ _DRAFT_STREAM = 0x5DEECE66D
 # The native kernel runs a catch-up as one batched forward of its tokens (single-threaded, so a long one, a
 # request's first draft after a long prompt, is left to the torch forward and its threads).
 _CHAIN_MAX_FEED = 256
+# And at most this many catch-up tokens in one native call (its scratch is per token: for a draft of hidden 768
+# about 60 KB each); the rows past it take the torch forward.
+_CHAIN_MAX_TOKENS = 1024
 
 
 @dataclass
@@ -169,7 +172,11 @@ class DraftModelProposer:
 
     def _draft(self, live: list[_Growing]) -> None:
         seqs = [self._catch_up(g.request) for g in live]
-        chained = [i for i, (g, seq) in enumerate(zip(live, seqs, strict=True)) if self._chains(g, seq)]
+        chained, budget = [], _CHAIN_MAX_TOKENS
+        for i, (g, seq) in enumerate(zip(live, seqs, strict=True)):
+            if self._chains(g, seq) and len(seq.token_ids) <= budget:
+                chained.append(i)
+                budget -= len(seq.token_ids)
         if chained:
             self._draft_chains([live[i] for i in chained], [seqs[i] for i in chained])
             rest = sorted(set(range(len(live))) - set(chained))
@@ -218,7 +225,8 @@ class DraftModelProposer:
     def _forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """One depth's logits [B, >= V]: a depth-1 native chain where it can run (its logits kept, its argmax unused),
         else the model's torch forward (a long catch-up, or no native kernel)."""
-        if self._chain is not None and all(len(seq.token_ids) <= _CHAIN_MAX_FEED for seq in seqs):
+        short = all(len(seq.token_ids) <= _CHAIN_MAX_FEED for seq in seqs)
+        if self._chain is not None and short and sum(len(seq.token_ids) for seq in seqs) <= _CHAIN_MAX_TOKENS:
             rows = [ChainRow(seq.token_ids, seq.start_pos, seq.page_table, 1) for seq in seqs]
             logits = self._chain.run(rows, keep_logits=True).logits
             assert logits is not None

@@ -293,8 +293,10 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
     const int64_t hid = m.hidden, q_dim = m.heads * m.head_dim, qkv_w = q_dim + 2 * m.kv_heads * m.head_dim;
     const int64_t max_keys = m.pages_per_seq * m.page_size;
     const int64_t rows = feed_offsets[batch]; /* the first forward's: every feed token (>= batch) */
-    const int64_t per_row = 3 * hid + qkv_w + q_dim + 3 * m.inter + m.model_vocab;
-    float *memory = malloc(sizeof(float) * (size_t)(rows * per_row + m.heads * (max_keys + 2 * m.head_dim)));
+    const int64_t per_row = 3 * hid + qkv_w + q_dim + 3 * m.inter;
+    /* Logits only for the rows that choose (one per batch row and forward), not for every catch-up token. */
+    const int64_t floats = rows * per_row + batch * m.model_vocab + m.heads * (max_keys + 2 * m.head_dim);
+    float *memory = malloc(sizeof(float) * (size_t)floats);
     int64_t *ints = malloc(sizeof(int64_t) * (size_t)(3 * rows));
     if (memory == NULL || ints == NULL) {
         free(memory);
@@ -305,7 +307,7 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
     const Scratch s = {take(&cursor, rows * hid),         take(&cursor, rows * hid),
                        take(&cursor, rows * qkv_w),       take(&cursor, rows * q_dim),
                        take(&cursor, rows * 2 * m.inter), take(&cursor, rows * m.inter),
-                       take(&cursor, rows * hid),         take(&cursor, rows * m.model_vocab),
+                       take(&cursor, rows * hid),         take(&cursor, batch * m.model_vocab),
                        take(&cursor, m.heads * (max_keys + 2 * m.head_dim))};
     int64_t *tok = ints, *pos = tok + rows, *row = pos + rows;
 

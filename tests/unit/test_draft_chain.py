@@ -260,3 +260,36 @@ def test_the_build_is_named_by_the_attention_source_it_includes_too(tmp_path: Pa
     second = build_library("draft_chain", source, toolchain, tmp_path / "cache", (included,))
     assert second != first and first.is_file() and second.is_file()
     DraftChainKernel.load(second)  # and it loads, its entry point declared
+
+
+def test_catch_ups_past_the_native_budget_take_the_torch_forward(
+    model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six first drafts of 200-token prompts in one propose: the chain call takes five (its scratch is per catch-up
+    token, capped at 1024 a call), the sixth is drafted a depth at a time, and the drafts equal a torch-only
+    proposer's. Fails if the budget is removed (one native call of 1200 catch-up tokens)."""
+    c = model.config
+
+    def proposer() -> DraftModelProposer:
+        kv = KVPool(c.num_layers, 128, 16, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+        return DraftModelProposer(model, kv, VOCAB, c.max_position_embeddings)
+
+    native = proposer()
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    plain = proposer()
+    monkeypatch.delenv(NATIVE_ENV)
+    chain = native._chain
+    assert chain is not None
+    calls: list[int] = []
+    run = chain.run
+
+    def spy(rows: list[ChainRow], keep_logits: bool = False) -> Any:
+        calls.append(sum(len(row.feed) for row in rows))
+        return run(rows, keep_logits)
+
+    monkeypatch.setattr(chain, "run", spy)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB) for _ in range(200)] for _ in range(6)]
+    requests = [_request(slot, p, 4, range(slot * 16, (slot + 1) * 16)) for slot, p in enumerate(prompts)]
+    assert [d.tree for d in native.propose(requests)] == [d.tree for d in plain.propose(requests)]
+    assert calls == [5 * 200, 200, 1, 1, 1]
