@@ -31,6 +31,8 @@
 
 #include "paged_decode.c"
 
+#include <omp.h>
+
 enum {
     L_IN_NORM,
     L_QKV,
@@ -52,7 +54,8 @@ enum {
 
 typedef struct {
     int64_t hidden, inter, heads, kv_heads, head_dim, num_layers, model_vocab, vocab, page_size, pages_per_seq;
-    int bf16; /* the matrices' panels hold bf16 values */
+    int bf16;    /* the matrices' panels hold bf16 values */
+    int threads; /* OpenMP threads for the large matmuls and the attention of many rows */
     float eps;
     const float *embed, *final_norm, *cos, *sin;
     const void *lm_head; /* panels */
@@ -142,10 +145,12 @@ ORD_INLINE void matmul_tile(const float *x, int64_t in, const void *panel, const
     }
 }
 
-ORD_INLINE void matmul_rows(const float *x, int64_t n, int64_t in, const void *panels, int64_t out,
-                            const float *bias, float *y, const int bf16) {
+/* Panels [first, last) of the product: each writes its own columns of y. */
+ORD_INLINE void matmul_panels(const float *x, int64_t n, int64_t in, const void *panels, int64_t out,
+                              const float *bias, float *y, const int bf16, int64_t first, int64_t last) {
     const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
-    for (int64_t o0 = 0; o0 < out; o0 += PANEL) {
+    for (int64_t p = first; p < last; ++p) {
+        const int64_t o0 = p * PANEL;
         const void *panel = (const char *)panels + (size_t)(o0 * in) * element;
         const float *b = bias != NULL ? bias + o0 : NULL;
         const int64_t width = out - o0 < PANEL ? out - o0 : PANEL;
@@ -163,12 +168,31 @@ ORD_INLINE void matmul_rows(const float *x, int64_t n, int64_t in, const void *p
 }
 
 ORD_CLONES
-static void matmul(const float *x, int64_t n, int64_t in, const void *panels, int64_t out, const float *bias,
-                   float *y, int bf16) {
+static void matmul_span(const float *x, int64_t n, int64_t in, const void *panels, int64_t out, const float *bias,
+                        float *y, int bf16, int64_t first, int64_t last) {
     if (bf16)
-        matmul_rows(x, n, in, panels, out, bias, y, 1);
+        matmul_panels(x, n, in, panels, out, bias, y, 1, first, last);
     else
-        matmul_rows(x, n, in, panels, out, bias, y, 0);
+        matmul_panels(x, n, in, panels, out, bias, y, 0, first, last);
+}
+
+/* A matmul of fewer multiply-adds than this runs on one thread: a parallel region costs a few microseconds. */
+enum { PARALLEL_MACS = 1 << 20 };
+
+/* The panels split over the threads (the same sums per output whatever the thread count). The parallel region is
+ * here, outside the target_clones variants: a region's outlined body would be compiled for the baseline ISA. */
+static void matmul(const float *x, int64_t n, int64_t in, const void *panels, int64_t out, const float *bias,
+                   float *y, int bf16, int threads) {
+    const int64_t count = (out + PANEL - 1) / PANEL;
+    if (threads <= 1 || n * in * out < PARALLEL_MACS) {
+        matmul_span(x, n, in, panels, out, bias, y, bf16, 0, count);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        matmul_span(x, n, in, panels, out, bias, y, bf16, count * t / nt, count * (t + 1) / nt);
+    }
 }
 
 /* out = x * rsqrt(mean(x^2) + eps) * weight over `dim` (F.rms_norm's arithmetic in float32); out may be x. */
@@ -213,7 +237,7 @@ static void forward(const Model *m, int64_t n, const int64_t *tok, const int64_t
         const float *q_norm = FIELD(m, layer, L_Q_NORM), *k_norm = FIELD(m, layer, L_K_NORM);
         const int64_t window = m->layers[layer * LAYER_FIELDS + L_WINDOW]; /* a number, not an address: 0 = full */
         for (int64_t r = 0; r < n; ++r) rms_norm(s->h + r * hid, FIELD(m, layer, L_IN_NORM), hid, m->eps, s->xn + r * hid);
-        matmul(s->xn, n, hid, FIELD(m, layer, L_QKV), qkv_w, FIELD(m, layer, L_QKV_BIAS), s->qkv, m->bf16);
+        matmul(s->xn, n, hid, FIELD(m, layer, L_QKV), qkv_w, FIELD(m, layer, L_QKV_BIAS), s->qkv, m->bf16, m->threads);
         for (int64_t r = 0; r < n; ++r) {
             float *q = s->qkv + r * qkv_w, *k = q + q_dim, *v = k + kv_dim;
             if (q_norm != NULL && k_norm != NULL) {
@@ -223,30 +247,40 @@ static void forward(const Model *m, int64_t n, const int64_t *tok, const int64_t
             const float *cos = m->cos + pos[r] * half, *sin = m->sin + pos[r] * half;
             rope(q, m->heads, dim, cos, sin);
             rope(k, m->kv_heads, dim, cos, sin);
-            /* The token's own K/V go into the pool before attention reads the row's keys through it. */
+            /* The token's own K/V go into the pool before any attention of this layer reads it (below). */
             const int64_t *pages = page_tables + row[r] * m->pages_per_seq;
             const int64_t slot = pages[pos[r] / m->page_size] * m->page_size + pos[r] % m->page_size;
             for (int64_t i = 0; i < kv_dim; ++i) {
                 k_pool[slot * kv_dim + i] = k[i];
                 v_pool[slot * kv_dim + i] = v[i];
             }
-            const int64_t len = pos[r] + 1;
-            const PagedDecodeArgs args = {k_pool,   v_pool,      pages,  &len, m->pages_per_seq, m->page_size,
-                                          m->heads, m->kv_heads, window, 1.0f / sqrtf((float)dim)};
-            float *scores = s->attend_scratch, *q_scaled = scores + m->heads * m->pages_per_seq * m->page_size;
-            attend(&args, 0, 0, m->kv_heads, dim, q, s->attn + r * q_dim, scores, q_scaled, q_scaled + q_dim);
         }
-        matmul(s->attn, n, q_dim, FIELD(m, layer, L_O), hid, FIELD(m, layer, L_O_BIAS), s->delta, m->bf16);
+        /* Every row's attention after every row's K/V write: a catch-up token sees those of the tokens before it in
+         * its run, and the rows can run in parallel, each thread with its own scratch. */
+        const int64_t scratch = m->heads * (m->pages_per_seq * m->page_size + 2 * dim);
+#pragma omp parallel for num_threads(m->threads) if (m->threads > 1 && n > 1) schedule(dynamic, 1)
+        for (int64_t r = 0; r < n; ++r) {
+            const int64_t len = pos[r] + 1;
+            const PagedDecodeArgs args = {k_pool,   v_pool,      page_tables + row[r] * m->pages_per_seq,
+                                          &len,     m->pages_per_seq, m->page_size,
+                                          m->heads, m->kv_heads, window,
+                                          1.0f / sqrtf((float)dim)};
+            float *scores = s->attend_scratch + scratch * omp_get_thread_num();
+            float *q_scaled = scores + m->heads * m->pages_per_seq * m->page_size;
+            attend(&args, 0, 0, m->kv_heads, dim, s->qkv + r * qkv_w, s->attn + r * q_dim, scores, q_scaled,
+                   q_scaled + q_dim);
+        }
+        matmul(s->attn, n, q_dim, FIELD(m, layer, L_O), hid, FIELD(m, layer, L_O_BIAS), s->delta, m->bf16, m->threads);
         for (int64_t i = 0; i < n * hid; ++i) s->h[i] += s->delta[i];
         for (int64_t r = 0; r < n; ++r)
             rms_norm(s->h + r * hid, FIELD(m, layer, L_POST_NORM), hid, m->eps, s->xn + r * hid);
-        matmul(s->xn, n, hid, FIELD(m, layer, L_GATE_UP), 2 * m->inter, FIELD(m, layer, L_GATE_UP_BIAS), s->gate_up, m->bf16);
+        matmul(s->xn, n, hid, FIELD(m, layer, L_GATE_UP), 2 * m->inter, FIELD(m, layer, L_GATE_UP_BIAS), s->gate_up, m->bf16, m->threads);
         for (int64_t r = 0; r < n; ++r) {
             const float *g = s->gate_up + r * 2 * m->inter, *u = g + m->inter;
             float *a = s->act + r * m->inter;
             for (int64_t i = 0; i < m->inter; ++i) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i]; /* silu(g) * u */
         }
-        matmul(s->act, n, m->inter, FIELD(m, layer, L_DOWN), hid, FIELD(m, layer, L_DOWN_BIAS), s->delta, m->bf16);
+        matmul(s->act, n, m->inter, FIELD(m, layer, L_DOWN), hid, FIELD(m, layer, L_DOWN_BIAS), s->delta, m->bf16, m->threads);
         for (int64_t i = 0; i < n * hid; ++i) s->h[i] += s->delta[i];
     }
 }
@@ -271,7 +305,7 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
                         const int64_t *page_tables, const int64_t *depths, int64_t max_depth, int64_t *out_tokens,
                         float *out_logits) {
     /* dims: hidden, inter, heads, kv_heads, head_dim, num_layers, model_vocab, vocab, page_size, bf16,
-     * pages_per_seq */
+     * pages_per_seq, threads */
     const Model m = {.hidden = dims[0],
                      .inter = dims[1],
                      .heads = dims[2],
@@ -283,6 +317,7 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
                      .page_size = dims[8],
                      .bf16 = (int)dims[9],
                      .pages_per_seq = dims[10],
+                     .threads = dims[11] > 1 ? (int)dims[11] : 1,
                      .eps = eps,
                      .embed = embed,
                      .final_norm = final_norm,
@@ -295,7 +330,8 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
     const int64_t rows = feed_offsets[batch]; /* the first forward's: every feed token (>= batch) */
     const int64_t per_row = 3 * hid + qkv_w + q_dim + 3 * m.inter;
     /* Logits only for the rows that choose (one per batch row and forward), not for every catch-up token. */
-    const int64_t floats = rows * per_row + batch * m.model_vocab + m.heads * (max_keys + 2 * m.head_dim);
+    const int64_t attend_scratch = m.heads * (max_keys + 2 * m.head_dim); /* per thread */
+    const int64_t floats = rows * per_row + batch * m.model_vocab + m.threads * attend_scratch;
     float *memory = malloc(sizeof(float) * (size_t)floats);
     int64_t *ints = malloc(sizeof(int64_t) * (size_t)(3 * rows));
     if (memory == NULL || ints == NULL) {
@@ -308,7 +344,7 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
                        take(&cursor, rows * qkv_w),       take(&cursor, rows * q_dim),
                        take(&cursor, rows * 2 * m.inter), take(&cursor, rows * m.inter),
                        take(&cursor, rows * hid),         take(&cursor, batch * m.model_vocab),
-                       take(&cursor, m.heads * (max_keys + 2 * m.head_dim))};
+                       take(&cursor, m.threads * attend_scratch)};
     int64_t *tok = ints, *pos = tok + rows, *row = pos + rows;
 
     for (int64_t t = 0; t < max_depth; ++t) {
@@ -337,7 +373,7 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
             rms_norm(s.h + r * hid, final_norm, hid, eps, s.xn + chosen * hid);
             row[chosen++] = row[r]; /* compacted in place: chosen <= r, and row[r + 1] was read first */
         }
-        matmul(s.xn, chosen, hid, lm_head, m.model_vocab, NULL, s.logits, m.bf16);
+        matmul(s.xn, chosen, hid, lm_head, m.model_vocab, NULL, s.logits, m.bf16, m.threads);
         for (int64_t c = 0; c < chosen; ++c) {
             const int64_t b = row[c];
             const float *logits = s.logits + c * m.model_vocab;

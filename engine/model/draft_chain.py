@@ -136,11 +136,18 @@ class DraftChain:
             used = row.pages[:pages_per_seq]
             tables[b, : len(used)] = torch.tensor(used, dtype=torch.int64)
         ints = torch.tensor(
-            [*offsets, *(row.start_pos for row in rows), *(row.depth for row in rows), *self._dims, pages_per_seq],
+            [
+                *offsets,
+                *(row.start_pos for row in rows),
+                *(row.depth for row in rows),
+                *self._dims,
+                pages_per_seq,
+                torch.get_num_threads(),  # the kernel's OpenMP threads, as the paged decode kernel takes them
+            ],
             dtype=torch.int64,
-        )  # [B + 1 | B | B | dims]
+        )  # [B + 1 | B | B | dims, P, threads]
         out = torch.zeros(batch, max_depth, dtype=torch.int64)  # [B, K]
-        logits = torch.empty(batch, max_depth, self._vocab_size) if keep_logits else None  # [B, K, V]
+        logits = torch.zeros(batch, max_depth, self._vocab_size) if keep_logits else None  # [B, K, V], 0 past a depth
         base = ints.data_ptr()
         step = ints.element_size()
         status = self._kernel.library.ordinal_draft_chain(

@@ -293,3 +293,33 @@ def test_catch_ups_past_the_native_budget_take_the_torch_forward(
     requests = [_request(slot, p, 4, range(slot * 16, (slot + 1) * 16)) for slot, p in enumerate(prompts)]
     assert [d.tree for d in native.propose(requests)] == [d.tree for d in plain.propose(requests)]
     assert calls == [5 * 200, 200, 1, 1, 1]
+
+
+def test_threads_change_nothing_but_the_time(model: LlamaForCausalLM) -> None:
+    """The same rows (a 150-token catch-up, big enough for the parallel matmuls, beside two short ones: parallel
+    attention rows) with one thread and with two: the same tokens, logits and pool bit for bit, since each output
+    is summed by one thread in one order whatever the count. Fails if a thread's share of the panels leaves one out
+    (its columns keep what the scratch held)."""
+    shuffled = random.Random(9).sample(range(NUM_PAGES), NUM_PAGES)
+    rng = random.Random(4)
+    rows = [
+        ChainRow([rng.randrange(VOCAB) for _ in range(150)], 0, shuffled[0:40], 4),
+        ChainRow([rng.randrange(VOCAB) for _ in range(3)], 0, shuffled[40:42], 3),
+        ChainRow([rng.randrange(VOCAB) for _ in range(5)], 0, shuffled[42:45], 2),
+    ]
+    results, pools = [], []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            kv = _pool(model)
+            chain = DraftChain.build(model, kv, VOCAB)
+            assert chain is not None
+            results.append(chain.run(rows, keep_logits=True))
+            pools.append(kv._buffer)
+    finally:
+        torch.set_num_threads(before)
+    one, two = results
+    assert one.tokens == two.tokens
+    assert one.logits is not None and two.logits is not None and torch.equal(one.logits, two.logits)
+    assert torch.equal(pools[0], pools[1])
