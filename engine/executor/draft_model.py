@@ -47,8 +47,8 @@ from engine.model_info import ModelInfo
 
 # Separates a request's draft random stream from its own (the target's sampling) stream.
 _DRAFT_STREAM = 0x5DEECE66D
-# The native kernel runs a catch-up as one batched forward of its tokens (single-threaded, so a long one, a
-# request's first draft after a long prompt, is left to the torch forward and its threads).
+# The native kernel runs a catch-up as one batched forward of its tokens, with plain C loops for matmuls; a long
+# one (a request's first draft after a long prompt: a prefill, really) is left to the torch forward's GEMMs.
 _CHAIN_MAX_FEED = 256
 # And at most this many catch-up tokens in one native call (its scratch is per token: for a draft of hidden 768
 # about 60 KB each); the rows past it take the torch forward.
