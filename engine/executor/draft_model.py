@@ -116,7 +116,7 @@ class DraftModelProposer:
         self._device = kv.device
         self._sampler = Sampler(vocab_size, kv.device)
         self._slots: dict[int, _SlotDraft] = {}
-        # Greedy unmasked chains run natively where they can (engine/model/draft_chain.py); None: all on torch.
+        # The native kernel (engine/model/draft_chain.py): whole greedy chains, else one depth at a time; None: torch.
         self._chain = DraftChain.build(model, kv, vocab_size)
 
     @classmethod
