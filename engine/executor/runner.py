@@ -34,6 +34,7 @@ from engine.model.forward_batch import ForwardBatch, LogitsMode, PageRows, SeqIn
 from engine.model.graphs import DecodeGraphs, GraphMode
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
+from engine.model.panel_linear import pack_for_cpu
 from engine.model.tokenizer import Tokenizer
 from engine.model_info import ModelInfo
 from engine.step import SampledRun, StepEntry, StepPlan, StepResult, StepTiming
@@ -128,6 +129,7 @@ class ModelRunner:
         tokenizer = Tokenizer.from_dir(path)
         attention = attention_backend(config.attention_backend, device, config.page_size)
         model, model_config = load_model(path, config.torch_dtype, device, attention)
+        pack_for_cpu(model, config.torch_dtype, device)  # the native panel matmul for its linears, where it applies
         info = ModelInfo(
             model_path=str(path),
             vocab_size=model_config.vocab_size,

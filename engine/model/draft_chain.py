@@ -21,30 +21,14 @@ import torch
 from engine.kv.pool import KVPool
 from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.model.native import DraftChainKernel, draft_chain_kernel
+from engine.model.panel_linear import padded_bias, panels
 
 # The per-layer fields of draft_chain.c's layer rows, in its order (L_IN_NORM .. L_WINDOW).
 _LAYER_FIELDS = 15
-_PANEL = 32  # columns per weight panel (draft_chain.c's PANEL)
-
-
-def panels(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A linear's weight [out, in] as the kernel reads it: [ceil(out / 32), in, 32] of ``dtype`` (float32 or
-    bfloat16), contiguous, zero-padded."""
-    out, width = weight.shape[0], -(-weight.shape[0] // _PANEL) * _PANEL
-    padded = torch.zeros(width, weight.shape[1], dtype=dtype)  # [out', in]
-    padded[:out] = weight
-    return padded.view(width // _PANEL, _PANEL, -1).transpose(1, 2).contiguous()  # [out' / 32, in, 32]
 
 
 def _bf16_exact(weight: torch.Tensor) -> bool:
     return bool(torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight))
-
-
-def padded_bias(bias: torch.Tensor) -> torch.Tensor:
-    """A bias [out] zero-padded to whole panels."""
-    out = torch.zeros(-(-bias.shape[0] // _PANEL) * _PANEL, dtype=bias.dtype)  # [out']
-    out[: bias.shape[0]] = bias
-    return out
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"page id {batch.max_page} is outside the KV pool of {kv.num_pages} pages")
         if batch.page_size != kv.page_size:
             raise ValueError(f"batch page_size {batch.page_size} != KV pool page_size {kv.page_size}")
-        if kv.dtype != self.lm_head.weight.dtype:
-            raise ValueError(f"KV pool dtype {kv.dtype} != model dtype {self.lm_head.weight.dtype}")
+        dtype = self.model.embed_tokens.weight.dtype  # the model's (its linears may be packed: panel_linear.py)
+        if kv.dtype != dtype:
+            raise ValueError(f"KV pool dtype {kv.dtype} != model dtype {dtype}")
         if kv.num_layers != self.config.num_layers:
             raise ValueError(f"KV pool has {kv.num_layers} layers, model has {self.config.num_layers}")

@@ -8,9 +8,9 @@ The compiled library lives in ``$ORDINAL_CACHE_DIR/kernels/`` (else ``~/.cache/o
 name that hashes the source, the compiler's identity and the flags, so a changed kernel or toolchain never
 loads a stale build. Set ``ORDINAL_NATIVE=0`` to force the pure torch paths (tests compare both).
 
-Module state: the only caches are :func:`_load_paged_decode`, :func:`_load_token_bitmask` and
-:func:`_load_draft_chain`, ``functools.cache``'d
-loaders, so a process compiles (or finds) and loads each library at most once and warns at most once when it cannot.
+Module state: the only caches are :func:`_load_paged_decode`, :func:`_load_token_bitmask`,
+:func:`_load_draft_chain` and :func:`_load_panel_linear`, ``functools.cache``'d loaders, so a process compiles (or
+finds) and loads each library at most once and warns at most once when it cannot.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ NATIVE_ENV = "ORDINAL_NATIVE"
 PAGED_DECODE_SOURCE = Path(__file__).with_name("paged_decode.c")
 TOKEN_BITMASK_SOURCE = Path(__file__).with_name("token_bitmask.c")
 DRAFT_CHAIN_SOURCE = Path(__file__).with_name("draft_chain.c")
-DRAFT_CHAIN_INCLUDES = (PAGED_DECODE_SOURCE,)  # `#include`d by it: part of what names its build
+PANEL_MATMUL_SOURCE = Path(__file__).with_name("panel_matmul.c")
+DRAFT_CHAIN_INCLUDES = (PAGED_DECODE_SOURCE, PANEL_MATMUL_SOURCE)  # `#include`d by it: part of what names its build
 # No -march=native (a cache directory may be shared between machines; the source picks ISA variants at run
 # time instead) and no -ffast-math (it would drop NaN/inf semantics everywhere; the `omp simd` pragmas license
 # reassociation exactly where the kernel needs it).
@@ -380,4 +381,123 @@ def load_draft_chain(toolchain: Toolchain, cache_dir: Path) -> DraftChainKernel 
         toolchain,
         cache_dir,
         DRAFT_CHAIN_INCLUDES,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class PanelLinearKernel:
+    """The loaded panel matmul (``ordinal_panel_linear`` in ``panel_matmul.c``): ``y = x @ W.T + bias`` with W packed
+    in 32-column panels, batch-invariant (a row's sums do not depend on the other rows or the thread count), in one
+    call that releases the GIL. Called through engine/model/panel_linear.py, which packs the weights."""
+
+    path: Path
+    library: ctypes.CDLL
+
+    @classmethod
+    def load(cls, path: Path) -> PanelLinearKernel:
+        """Load a compiled ``panel_matmul`` library and declare the entry point's C signature."""
+        library = ctypes.CDLL(str(path))
+        fn = library.ordinal_panel_linear
+        fn.restype = None
+        # x, n, in, panels, out, bias, y, bf16, threads
+        fn.argtypes = [
+            ctypes.c_void_p,
+            *[ctypes.c_int64] * 2,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            *[ctypes.c_void_p] * 2,
+            *[ctypes.c_int] * 2,
+        ]
+        return cls(path, library)
+
+    def __call__(
+        self, x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x: [N, in] CPU float32; panels: [ceil(out / 32), in, 32] float32 or bfloat16, contiguous; bias: None or
+        [ceil(out / 32) * 32] float32. Returns y [N, out_features] float32."""
+        return self.bind(panels, out_features, bias)(x)
+
+    def bind(self, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> BoundPanelLinear:
+        """The product with these weights, checked once here; each call then checks only its ``x``."""
+        _check_weight_args(panels, out_features, bias)
+        return BoundPanelLinear(self.library.ordinal_panel_linear, panels, out_features, bias)
+
+
+@dataclass(frozen=True, eq=False)
+class BoundPanelLinear:
+    """``x @ W.T + bias`` for one packed weight (:meth:`PanelLinearKernel.bind`): a linear layer's hot path, a few
+    microseconds of Python per call."""
+
+    fn: Callable[..., None]
+    panels: torch.Tensor  # [ceil(out / 32), in, 32]
+    out_features: int
+    bias: torch.Tensor | None  # [ceil(out / 32) * 32]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, in] CPU float32. Returns y [N, out_features] float32."""
+        width = self.panels.shape[1]
+        # The checks that keep C inside x (its dtype, layout and width); the weights were checked by bind.
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(
+                f"x must be a CPU float32 [N, {width}] tensor, got {x.dtype} on {x.device}, {tuple(x.shape)}"
+            )
+        x = x.contiguous()
+        y = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)  # [N, out]
+        bias = self.bias
+        self.fn(
+            x.data_ptr(),
+            x.shape[0],
+            width,
+            self.panels.data_ptr(),
+            self.out_features,
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            int(self.panels.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
+        return y
+
+
+def _check_weight_args(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+    # A wrong layout here would be a silent out-of-bounds read in C.
+    width = -(-out_features // 32)
+    if (
+        out_features < 1
+        or panels.dtype not in (torch.float32, torch.bfloat16)
+        or panels.device.type != "cpu"
+        or not panels.is_contiguous()
+        or panels.dim() != 3
+        or panels.shape[0] != width
+        or panels.shape[1] < 1
+        or panels.shape[2] != 32
+    ):
+        raise ValueError(
+            f"panels must be a contiguous CPU float32/bfloat16 [{width}, in, 32] tensor for {out_features} outputs, "
+            f"got {panels.dtype} on {panels.device}, shape {tuple(panels.shape)}"
+        )
+    if bias is not None and (
+        bias.dtype != torch.float32
+        or bias.device.type != "cpu"
+        or not bias.is_contiguous()
+        or tuple(bias.shape) != (width * 32,)
+    ):
+        raise ValueError(
+            f"bias must be a contiguous CPU float32 [{width * 32}] tensor, got {bias.dtype} {tuple(bias.shape)}"
+        )
+
+
+def panel_linear_kernel() -> PanelLinearKernel | None:
+    """The native panel matmul, or None when ``ORDINAL_NATIVE=0`` or it cannot be built (warned once per process)."""
+    return _load_panel_linear() if native_enabled() else None
+
+
+@functools.cache
+def _load_panel_linear() -> PanelLinearKernel | None:
+    return _load_with_found_toolchain(load_panel_linear, "linear layers use torch's matmul")
+
+
+def load_panel_linear(toolchain: Toolchain, cache_dir: Path) -> PanelLinearKernel | None:
+    """Build (or find) the panel matmul library in ``cache_dir`` and load it; None, with a warning, on failure."""
+    return _build_and_load(
+        "panel matmul", "panel_matmul", PANEL_MATMUL_SOURCE, PanelLinearKernel.load, toolchain, cache_dir
     )

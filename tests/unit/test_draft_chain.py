@@ -245,19 +245,21 @@ def test_the_proposer_drafts_the_same_chains_natively_and_on_torch(
     assert fed["native"] == fed["plain"]  # the same catch-ups: only what the draft KV does not hold yet
 
 
-def test_the_build_is_named_by_the_attention_source_it_includes_too(tmp_path: Path) -> None:
-    """draft_chain.c includes paged_decode.c: a change to the included file alone is a new build (another cached
-    library), so a process never loads a chain compiled against an older attention. Fails if the includes are left
-    out of the library's name."""
+@pytest.mark.parametrize("changed", [path.name for path in DRAFT_CHAIN_INCLUDES])
+def test_the_build_is_named_by_the_sources_it_includes_too(tmp_path: Path, changed: str) -> None:
+    """draft_chain.c includes paged_decode.c (the attention) and panel_matmul.c (the matmuls): a change to an
+    included file alone is a new build (another cached library), so a process never loads a chain compiled against
+    an older attention or matmul. Fails if the includes are left out of the library's name."""
     toolchain = Toolchain.find()
     assert toolchain is not None  # the kernel was built (module skip above), so a compiler exists
     sources = tmp_path / "src"
     sources.mkdir()
     source = Path(shutil.copy(DRAFT_CHAIN_SOURCE, sources))
-    (included,) = (Path(shutil.copy(path, sources)) for path in DRAFT_CHAIN_INCLUDES)
-    first = build_library("draft_chain", source, toolchain, tmp_path / "cache", (included,))
-    included.write_text(included.read_text() + "\n/* a changed attention kernel */\n")
-    second = build_library("draft_chain", source, toolchain, tmp_path / "cache", (included,))
+    included = tuple(Path(shutil.copy(path, sources)) for path in DRAFT_CHAIN_INCLUDES)
+    first = build_library("draft_chain", source, toolchain, tmp_path / "cache", included)
+    target = sources / changed
+    target.write_text(target.read_text() + "\n/* a changed kernel */\n")
+    second = build_library("draft_chain", source, toolchain, tmp_path / "cache", included)
     assert second != first and first.is_file() and second.is_file()
     DraftChainKernel.load(second)  # and it loads, its entry point declared
 

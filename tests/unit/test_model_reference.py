@@ -22,6 +22,8 @@ from engine.kv.pool import KVPool
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
+from engine.model.native import panel_linear_kernel
+from engine.model.panel_linear import pack_linears
 from tests.support.models import single_thread  # noqa: F401  (an autouse fixture)
 
 PAGE_SIZE = 4
@@ -118,8 +120,13 @@ def shuffled_pages(seed: int, count: int = 10) -> list[int]:
     return torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(seed))[:count].tolist()
 
 
-def check_prefill_then_greedy_decode(ckpt: Checkpoint, device: str) -> None:
+def check_prefill_then_greedy_decode(ckpt: Checkpoint, device: str, packed: bool = False) -> None:
     model, _ = load_model(ckpt.path, torch.float32, device)
+    if packed:  # the linears as the executor runs them on a CPU (engine/model/panel_linear.py)
+        kernel = panel_linear_kernel()
+        if kernel is None:
+            pytest.skip("no C compiler: the native panel matmul cannot be built here")
+        pack_linears(model, kernel)
     kv = new_pool(model, device)
     pages = shuffled_pages(0)
     tokens = list(ckpt.prompt)
@@ -137,6 +144,11 @@ def check_prefill_then_greedy_decode(ckpt: Checkpoint, device: str) -> None:
 
 def test_prefill_and_greedy_decode_match_transformers(ckpt: Checkpoint) -> None:
     check_prefill_then_greedy_decode(ckpt, "cpu")
+
+
+def test_packed_linears_match_transformers(ckpt: Checkpoint) -> None:
+    """The executor's CPU model, its linears on the native panel matmul (biases, tied embeddings, every family)."""
+    check_prefill_then_greedy_decode(ckpt, "cpu", packed=True)
 
 
 @pytest.mark.gpu
