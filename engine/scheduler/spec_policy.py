@@ -11,12 +11,18 @@ A step's cost is its period (the wall time between two commits the loop ran back
 step's tokens included) or, when unknown, the executor's time (``StepTiming``): where the scheduler's core is the
 bottleneck the executor's time alone made drafting look free.
 
-Gain, per request: the probability ``α`` that a draft token is accepted, from its own verifies (accepted tokens
-against accepted plus first rejections, decayed, with the engine-wide rate as a prior of two tokens, itself leaning
-on an even prior). The records decay with every step, drafted or not: a rate that rules depth 0 gets no verify to
-correct it, so without decay in time one poor start (a prompt whose first drafts fail) would turn speculation off for
-good; instead it drifts back to the prior (half-life about 23 steps) and is tried again. A chain of
-depth d then yields ``E(d) = 1 + α + ... + α^d`` tokens per step.
+Gain, per request and draft position k (the k-th token of a chain): the probability ``α_k`` that its k-th draft
+token is accepted once the k - 1 before it were, from its own verifies (each verify that reached position k is a
+trial there, an accepted k-th token a success; decayed), with the engine-wide rate at that position as a prior of two
+trials, itself leaning on an even prior. Per position, because drafts are accepted in runs, not coin by coin: once a
+draft model has the text (a list it copies, a phrase it knows) it keeps it, so a later position is accepted more
+often than the first (the embedded draft at one stream: α_1 about 0.5, α_2..4 0.7-0.9). One rate for every position
+(the geometric model this rule began with) undervalued deep drafts, and worse, a request held at depth 1 measured
+only its first position's rate, so a poor first token kept it there (the repeating prompts at one stream: 1.37x plain
+against 1.69x at the full depth). The records decay with every step, drafted or not: a rate that rules depth 0 gets no
+verify to correct it, so without decay in time one poor start (a prompt whose first drafts fail) would turn
+speculation off for good; instead it drifts back to the prior (half-life about 23 steps) and is tried again. A chain
+of depth d then yields ``E(d) = 1 + α_1 + α_1·α_2 + ... + α_1···α_d`` tokens per step.
 
 Each step the scheduler plans the depth d (0 .. the configured maximum) that maximises the step's tokens per
 second, ``Σ E_r(d) / (verify(B + d·B_s) + draft(d, B_s))`` over its B decodes (B_s of them drafting). Depth 0 is
@@ -30,8 +36,8 @@ time plain decoding still wins, and with only ``explore_requests`` of the batch 
 a large batch costs several plain ones. Until the cost model has seen two different step
 sizes it alternates the full depth and none.
 
-A request whose acceptance falls below ``min_alpha`` stops drafting for ``pause`` steps (doubled on each relapse
-up to ``max_pause``), then tries again.
+A request whose first position's acceptance falls below ``min_alpha`` stops drafting for ``pause`` steps (doubled on
+each relapse up to ``max_pause``), then tries again.
 """
 
 from __future__ import annotations
@@ -89,12 +95,41 @@ class _LinearFit:
 
 
 @dataclass
-class RequestSpec:
-    """One request's drafting record: decayed accepted tokens and trials (accepted plus first rejections), and while
-    paused the step it may draft again."""
+class Positions:
+    """Decayed acceptance counts per draft position (index k - 1 for the k-th draft token): ``trials[k - 1]`` verifies
+    reached position k (its k - 1 tokens before were accepted and it was drafted), ``accepted[k - 1]`` of them
+    accepted it. Positions never reached are absent (no record: the prior rules there)."""
 
-    accepted: float = 0.0
-    trials: float = 0.0
+    accepted: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
+
+    def decay(self, lam: float) -> None:
+        self.accepted[:] = [lam * a for a in self.accepted]
+        self.trials[:] = [lam * t for t in self.trials]
+
+    def add(self, drafted: int, accepted: int) -> None:
+        """One verify of ``drafted`` tokens of which the first ``accepted`` were kept."""
+        reached = min(accepted + 1, drafted)
+        while len(self.trials) < reached:
+            self.trials.append(0.0)
+            self.accepted.append(0.0)
+        for k in range(reached):
+            self.trials[k] += 1.0
+            self.accepted[k] += 1.0 if k < accepted else 0.0
+
+    def rate(self, k: int, prior: float, strength: float) -> float:
+        """α at position ``k`` (1-based): this record's rate there, leaning on ``prior`` with ``strength`` trials."""
+        i = k - 1
+        accepted, trials = (self.accepted[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
+        return (accepted + strength * prior) / (trials + strength)
+
+
+@dataclass
+class RequestSpec:
+    """One request's drafting record: its acceptance per draft position, and while paused the step it may draft
+    again."""
+
+    positions: Positions = field(default_factory=Positions)
     paused_until: int = 0
     pause: int = 0
 
@@ -107,8 +142,7 @@ class SpecPolicy:
     config: SpecPolicyConfig = SpecPolicyConfig()
     _verify: _LinearFit = field(init=False)
     _draft: _LinearFit = field(init=False)
-    _accepted: float = 0.0
-    _trials: float = 0.0
+    _engine: Positions = field(default_factory=Positions)  # every request's verifies: the per-position prior
     _step: int = 0
     _sizes: set[int] = field(default_factory=set)
     _explore_gap: int = 0
@@ -183,15 +217,22 @@ class SpecPolicy:
         return batch_depth
 
     def expected_tokens(self, req: RequestSpec, depth: int) -> float:
-        """Tokens a chain verify of ``depth`` draft tokens is expected to give ``req``: 1 + α + ... + α^depth."""
-        alpha = self.alpha(req)
-        return float(sum(alpha**i for i in range(depth + 1)))
+        """Tokens a chain verify of ``depth`` draft tokens is expected to give ``req``: 1 + α_1 + α_1·α_2 + ..."""
+        tokens, reach = 1.0, 1.0
+        for alpha in self.alphas(req, depth):
+            reach *= alpha
+            tokens += reach
+        return tokens
 
-    def alpha(self, req: RequestSpec) -> float:
+    def alphas(self, req: RequestSpec, depth: int) -> list[float]:
+        """α_1 .. α_depth for ``req``: its own rate at each position, leaning on the engine-wide one there."""
         k = self.config.prior_tokens
         # The engine-wide rate itself leans on an even prior of the same weight, so that it is never exactly 0 or 1.
-        prior = (self._accepted + 0.5 * k) / (self._trials + k)
-        return (req.accepted + k * prior) / (req.trials + k)
+        return [req.positions.rate(d, self._engine.rate(d, 0.5, k), k) for d in range(1, depth + 1)]
+
+    def alpha(self, req: RequestSpec) -> float:
+        """α_1: how often ``req``'s first draft token is accepted (what pauses a request whose drafts fail)."""
+        return self.alphas(req, 1)[0]
 
     def _best_depth(self, requests: list[RequestSpec]) -> tuple[int, float] | None:
         """The depth with the most modelled tokens per second, and its rate over plain decoding's (None: the cost
@@ -201,15 +242,16 @@ class SpecPolicy:
             return None
         a, b = verify
         c, e = draft if draft is not None else (0.0, 0.0)
-        alphas = [self.alpha(r) for r in requests if self._step >= r.paused_until]
+        top = self.spec.draft_nodes
+        alphas = [self.alphas(r, top) for r in requests if self._step >= r.paused_until]
         n, drafting = len(requests), len(alphas)
-        powers = [1.0] * drafting  # α_r^d
+        reach = [1.0] * drafting  # α_r,1 ··· α_r,d: the chance that request r's d-th draft token is accepted
         tokens = float(n)  # at depth 0 every request gives its one sampled token
         plain_rate = tokens / (a + b * n) if a + b * n > 0 else 0.0
         best, best_rate = 0, plain_rate
-        for d in range(1, self.spec.draft_nodes + 1):
-            powers = [p * alpha for p, alpha in zip(powers, alphas, strict=True)]
-            tokens += sum(powers)
+        for d in range(1, top + 1):
+            reach = [p * rates[d - 1] for p, rates in zip(reach, alphas, strict=True)]
+            tokens += sum(reach)
             seconds = a + b * (n + d * drafting) + d * (c + e * drafting)
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = d, tokens / seconds
@@ -221,9 +263,8 @@ class SpecPolicy:
         """A committed pure decode step: ``forward_tokens`` through the model, ``drafted`` requests drafted at
         ``depth``; the executor took ``seconds``, ``draft_seconds`` of them in the proposer."""
         self._step += 1
-        if not drafted:  # the engine-wide rate fades in time as a request's does (observe_request)
-            self._accepted *= self.config.forgetting
-            self._trials *= self.config.forgetting
+        if not drafted:  # the engine-wide rates fade in time as a request's do (observe_request)
+            self._engine.decay(self.config.forgetting)
         if not self.spec.adaptive or seconds <= 0.0:
             return
         self._verify.add(1.0, float(forward_tokens), seconds - draft_seconds)
@@ -238,17 +279,14 @@ class SpecPolicy:
 
     def observe_request(self, req: RequestSpec, drafted: int, accepted: int) -> None:
         lam = self.config.forgetting
+        # Forgotten in time too, not only by newer verifies: a request that stopped drafting on a poor start (a rate
+        # that rules depth 0 gets no verify to correct it) drifts back to the prior and is tried again.
+        req.positions.decay(lam)
         if not drafted:
-            # Forgotten in time too, not only by newer verifies: a request that stopped drafting on a poor start (a
-            # rate that rules depth 0 gets no verify to correct it) drifts back to the prior and is tried again.
-            req.accepted *= lam
-            req.trials *= lam
             return
-        trials = accepted + (1 if accepted < drafted else 0)
-        req.accepted = lam * req.accepted + accepted
-        req.trials = lam * req.trials + trials
-        self._accepted = lam * self._accepted + accepted
-        self._trials = lam * self._trials + trials
+        req.positions.add(drafted, accepted)
+        self._engine.decay(lam)
+        self._engine.add(drafted, accepted)
         if accepted:
             req.pause = 0
         elif self.alpha(req) < self.config.min_alpha:

@@ -33,11 +33,18 @@ class Machine:
 
 
 def _drive(
-    policy: SpecPolicy, machine: Machine, batch: int, alpha: float, steps: int, drafting: list[int] | None = None
+    policy: SpecPolicy,
+    machine: Machine,
+    batch: int,
+    alpha: float | tuple[float, ...],
+    steps: int,
+    drafting: list[int] | None = None,
 ) -> list[int]:
-    """``steps`` decode steps of ``batch`` requests whose draft tokens are each accepted with ``alpha``; the batch
-    depth chosen for each (and in ``drafting`` how many requests drafted)."""
+    """``steps`` decode steps of ``batch`` requests whose draft tokens are each accepted with ``alpha`` (a tuple: the
+    k-th draft token, its k - 1 before accepted, with ``alpha[k - 1]``, the last entry for every later one); the
+    batch depth chosen for each (and in ``drafting`` how many requests drafted)."""
     rng = random.Random(7)
+    rates = alpha if isinstance(alpha, tuple) else (alpha,)
     reqs = [RequestSpec() for _ in range(batch)]
     chosen = []
     for _ in range(steps):
@@ -47,7 +54,7 @@ def _drive(
         for req in reqs:
             d = policy.request_depth(req, depth)
             accepted = 0
-            while accepted < d and rng.random() < alpha:
+            while accepted < d and rng.random() < rates[min(accepted, len(rates) - 1)]:
                 accepted += 1
             policy.observe_request(req, d, accepted)
             tokens += 1 + d
@@ -79,6 +86,18 @@ def test_one_stream_with_a_good_draft_drafts_the_full_depth() -> None:
     assert chosen[-100:].count(4) >= 90
 
 
+def test_drafts_accepted_in_runs_draft_the_full_depth() -> None:
+    """A draft whose first token is a coin flip but which, once right, stays right (α_1 = 0.4, then 0.9: a draft model
+    copying a list), a cheap verify and drafting (one stream, the native chain): the full depth gives 2.2 tokens a
+    step against 1.4 at depth 1 for 7% more time, and the rule drafts it. Fails with one acceptance rate for every
+    position (the rule's first model, 1 + α + ... + α^d): at depth 1 it measures only the first position's 0.4, which
+    makes deeper drafts look worthless, and it stays at depth 1 (checked: 0 steps of 100 at depth 4)."""
+    policy = SpecPolicy(SPEC)
+    machine = Machine(fixed=3.0, per_token=0.05, draft_fixed=0.06, draft_per_request=0.0)
+    chosen = _drive(policy, machine, batch=1, alpha=(0.4, 0.9), steps=300)
+    assert chosen[-100:].count(4) >= 85, chosen[-100:]
+
+
 def test_a_large_batch_where_verifying_costs_more_than_it_gains_decodes_plainly() -> None:
     """Batch 32 and a per-token cost that makes every draft token expensive: the rule settles on depth 0 (never
     slower), trying the full depth again after gaps that double from explore_every (16, 32, 64, ...). Fails if the
@@ -100,7 +119,7 @@ def test_exploring_plain_decoding_while_drafting_thinly_keeps_its_period() -> No
     """While drafting pays by a thin margin (depth 1, about 1.2x plain's modelled rate), a plain step comes once
     every explore_every steps, at a fixed period."""
     policy = SpecPolicy(SPEC, SpecPolicyConfig(explore_every=16, wide_margin=1.3))
-    machine = Machine(fixed=2.0, per_token=0.25, draft_fixed=0.3, draft_per_request=0.01)
+    machine = Machine(fixed=2.0, per_token=0.3, draft_fixed=0.3, draft_per_request=0.01)
     chosen = _drive(policy, machine, batch=1, alpha=0.5, steps=300)
     plain = [i for i, d in enumerate(chosen) if d == 0 and i >= 40]
     assert {b - a for a, b in itertools.pairwise(plain)} == {16}
@@ -116,7 +135,7 @@ def test_plain_probes_thin_out_while_drafting_wins_widely() -> None:
     plain = [i for i, d in enumerate(chosen) if d == 0 and i >= 10]
     gaps = [b - a for a, b in itertools.pairwise(plain)]
     assert gaps[:2] == [16, 32] and set(gaps[2:]) == {64}, gaps
-    assert chosen[-100:].count(4) >= 90
+    assert chosen[-100:].count(4) >= 85
 
 
 def test_poor_acceptance_turns_speculation_down() -> None:
@@ -144,7 +163,7 @@ def test_a_request_whose_drafts_fail_pauses_then_tries_again() -> None:
     for _ in range(4):
         policy.observe_request(good, drafted=4, accepted=4)  # the engine-wide rate: 16 of 16
     req = RequestSpec()
-    policy.observe_request(req, drafted=4, accepted=0)  # α = (0 + 1 * 16/17) / (1 + 1) = 0.47: drafts on
+    policy.observe_request(req, drafted=4, accepted=0)  # α_1 = (0 + 1 * 4.5/5) / (1 + 1) = 0.45: drafts on
     assert policy.request_depth(req, 4) == 4
     policy.observe_request(req, drafted=4, accepted=0)  # below: paused for 4 steps
     assert policy.request_depth(req, 4) == 0
