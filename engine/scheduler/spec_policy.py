@@ -4,8 +4,14 @@ what it measurably gains.
 Cost, fitted online from every pure decode step (a step with a prefill chunk says nothing about the depth), by
 exponentially weighted least squares:
 
-    verify(T)      = a + b·T          the step's cost outside the proposer, T = tokens in the step's forward
-    draft(d, B)    = d·(c + e·B)      the proposer's time for depth d over B drafted requests
+    verify(T)      = a + b·T                  the step's cost outside the proposer, T = tokens in the step's forward
+    draft(d, B)    = c0 + d·(c + e·B)         the proposer's time for depth d over B drafted requests (d >= 1)
+
+The draft's ``c0`` is what a drafting step costs whatever its depth (the call, the catch-up of the tokens since the
+last draft, the Python around it): a native draft chain's whole depth costs about as much as its first token (0.65
+ms a step in the executor at one stream, of which ~0.05 ms per depth), and without ``c0`` the fit spread that over
+the depths, so a draft of 1 looked four times cheaper than one of 4 and the rule drafted shallow where the full
+depth paid.
 
 A step's cost is its period (the wall time between two commits the loop ran back to back: the host's work on the
 step's tokens included) or, when unknown, the executor's time (``StepTiming``): where the scheduler's core is the
@@ -33,8 +39,9 @@ costs a step's worth of drafted tokens, and where the margin is wide a somewhat 
 at one stream with the native draft chain the fixed period cost about 4% of the throughput); while decoding
 plainly, the full depth after a gap that starts at ``explore_every`` and doubles (up to ``max_explore_every``) each
 time plain decoding still wins, and with only ``explore_requests`` of the batch drafting, since a drafting step over
-a large batch costs several plain ones. Until the cost model has seen two different step
-sizes it alternates the full depth and none.
+a large batch costs several plain ones (depth 1 every other time while all drafts seen had one depth: the fit cannot
+tell a draft's call from its depths until it has seen two). Until the cost model has seen two different step sizes
+it alternates the full depth and none.
 
 A request whose first position's acceptance falls below ``min_alpha`` stops drafting for ``pause`` steps (doubled on
 each relapse up to ``max_pause``), then tries again.
@@ -42,6 +49,7 @@ each relapse up to ``max_pause``), then tries again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SpeculativeConfig
@@ -62,36 +70,52 @@ class SpecPolicyConfig:
 
 
 class _LinearFit:
-    """y ≈ w·x for two features, by exponentially weighted least squares (normal equations, a 2x2 solve)."""
+    """y ≈ w·x for a few features, by exponentially weighted least squares (normal equations, solved in place)."""
 
-    def __init__(self, forgetting: float) -> None:
+    def __init__(self, forgetting: float, features: int = 2) -> None:
         self._lam = forgetting
-        self._xx = [0.0, 0.0, 0.0]  # Σ x0², Σ x0·x1, Σ x1²
-        self._xy = [0.0, 0.0]
+        self._xx = [[0.0] * features for _ in range(features)]  # Σ x_i·x_j
+        self._xy = [0.0] * features  # Σ x_i·y
         self.count = 0
 
-    def add(self, x0: float, x1: float, y: float) -> None:
+    def add(self, x: Sequence[float], y: float) -> None:
         lam = self._lam
-        xx, xy = self._xx, self._xy
-        xx[0] = lam * xx[0] + x0 * x0
-        xx[1] = lam * xx[1] + x0 * x1
-        xx[2] = lam * xx[2] + x1 * x1
-        xy[0] = lam * xy[0] + x0 * y
-        xy[1] = lam * xy[1] + x1 * y
+        for i, xi in enumerate(x):
+            row = self._xx[i]
+            for j, xj in enumerate(x):
+                row[j] = lam * row[j] + xi * xj
+            self._xy[i] = lam * self._xy[i] + xi * y
         self.count += 1
 
-    def weights(self) -> tuple[float, float] | None:
-        """The fitted weights, or None while the features do not yet tell them apart."""
-        (s00, s01, s11), (r0, r1) = self._xx, self._xy
-        det = s00 * s11 - s01 * s01
-        if det <= 1e-9 * max(s00 * s11, 1e-30):
+    def weights(self, use: Sequence[int] | None = None) -> list[float] | None:
+        """The fitted weights with only the features ``use`` (default all; the others' weights 0), or None while
+        those features do not yet tell their weights apart (a determinant below 1e-9 of the diagonal's product)."""
+        index = list(range(len(self._xy))) if use is None else list(use)
+        a = [[self._xx[i][j] for j in index] + [self._xy[i]] for i in index]  # the augmented normal equations
+        bound = 1.0
+        for i in range(len(index)):
+            bound *= a[i][i]
+        det = 1.0
+        for col in range(len(index)):  # Gaussian elimination with partial pivoting
+            pivot = max(range(col, len(index)), key=lambda r: abs(a[r][col]))
+            if pivot != col:
+                a[col], a[pivot], det = a[pivot], a[col], -det
+            det *= a[col][col]
+            if a[col][col] == 0.0:
+                return None
+            for r in range(col + 1, len(index)):
+                f = a[r][col] / a[col][col]
+                a[r] = [v - f * p for v, p in zip(a[r], a[col], strict=True)]
+        if det <= 1e-9 * max(bound, 1e-30):
             return None
-        return (s11 * r0 - s01 * r1) / det, (s00 * r1 - s01 * r0) / det
-
-    def first_only(self) -> tuple[float, float] | None:
-        """The weights with the second feature's left out (0): all one can say while the two are collinear."""
-        s00, r0 = self._xx[0], self._xy[0]
-        return (r0 / s00, 0.0) if s00 > 0 else None
+        solved = [0.0] * len(index)
+        for row in reversed(range(len(index))):
+            rest = sum(a[row][j] * solved[j] for j in range(row + 1, len(index)))
+            solved[row] = (a[row][-1] - rest) / a[row][row]
+        out = [0.0] * len(self._xy)
+        for i, w in zip(index, solved, strict=True):
+            out[i] = w
+        return out
 
 
 @dataclass
@@ -150,10 +174,11 @@ class SpecPolicy:
     _plain_gap: int = 0
     _next_plain: int = 0
     _explore_quota: int | None = None  # requests of the exploring step that may still draft; None: not exploring
+    _explored_shallow: bool = False  # the last exploring step drafted depth 1 (see _exploring_depth)
 
     def __post_init__(self) -> None:
         self._verify = _LinearFit(self.config.forgetting)
-        self._draft = _LinearFit(self.config.forgetting)
+        self._draft = _LinearFit(self.config.forgetting, 3)
         self._explore_gap = self.config.explore_every
         self._plain_gap = self.config.explore_every
         self._next_plain = self.config.explore_every - 1
@@ -202,7 +227,15 @@ class SpecPolicy:
         # Only a few requests draft: their verifies and the step's size say what drafting would pay, and the cost of
         # finding out stays small (each drafting request's draft model first catches up on everything it missed).
         self._explore_quota = self.config.explore_requests
-        return self.spec.draft_nodes
+        return self._exploring_depth()
+
+    def _exploring_depth(self) -> int:
+        """The full depth; but while every drafting step seen had one depth (so the fit cannot tell a call's cost from
+        its depth's, and takes the call's alone: a shallow draft no cheaper than a deep one), depth 1 every other
+        time, so that a draft whose every depth costs (a forward per depth) is found cheap when shallow."""
+        top = self.spec.draft_nodes
+        self._explored_shallow = self._draft.weights((0, 1)) is None and not self._explored_shallow
+        return 1 if self._explored_shallow else top
 
     def request_depth(self, req: RequestSpec, batch_depth: int) -> int:
         """The depth of one request of the step planned at ``batch_depth`` (asked in the step's order)."""
@@ -237,11 +270,11 @@ class SpecPolicy:
     def _best_depth(self, requests: list[RequestSpec]) -> tuple[int, float] | None:
         """The depth with the most modelled tokens per second, and its rate over plain decoding's (None: the cost
         model cannot tell yet)."""
-        verify, draft = self._verify.weights(), self._draft.weights() or self._draft.first_only()
+        verify = self._verify.weights()
         if verify is None or len(self._sizes) < 2:
             return None
         a, b = verify
-        c, e = draft if draft is not None else (0.0, 0.0)
+        c0, c, e = self._draft_weights()
         top = self.spec.draft_nodes
         alphas = [self.alphas(r, top) for r in requests if self._step >= r.paused_until]
         n, drafting = len(requests), len(alphas)
@@ -252,10 +285,20 @@ class SpecPolicy:
         for d in range(1, top + 1):
             reach = [p * rates[d - 1] for p, rates in zip(reach, alphas, strict=True)]
             tokens += sum(reach)
-            seconds = a + b * (n + d * drafting) + d * (c + e * drafting)
+            seconds = a + b * (n + d * drafting) + c0 + d * (c + e * drafting)
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = d, tokens / seconds
         return best, (best_rate / plain_rate if plain_rate > 0 else float("inf"))
+
+    def _draft_weights(self) -> list[float]:
+        """(c0, c, e) of the draft cost, from the features the drafting steps seen so far tell apart: all three; or
+        the call and the drafted tokens (every step at one depth, the batch varying); or the call alone (every step
+        alike: its cost, whatever the depth, the least a deeper draft can be said to cost)."""
+        for use in ((0, 1, 2), (0, 2), (0,)):
+            weights = self._draft.weights(use)
+            if weights is not None:
+                return weights
+        return [0.0, 0.0, 0.0]
 
     # ---------------------------------------------------------------- observing
 
@@ -267,11 +310,11 @@ class SpecPolicy:
             self._engine.decay(self.config.forgetting)
         if not self.spec.adaptive or seconds <= 0.0:
             return
-        self._verify.add(1.0, float(forward_tokens), seconds - draft_seconds)
+        self._verify.add((1.0, float(forward_tokens)), seconds - draft_seconds)
         if len(self._sizes) < 2:
             self._sizes.add(forward_tokens)
         if depth and drafted:
-            self._draft.add(float(depth), float(depth * drafted), draft_seconds)
+            self._draft.add((1.0, float(depth), float(depth * drafted)), draft_seconds)
 
     def tick(self) -> None:
         """A step that says nothing about the cost (a prefill chunk in it) still counts for pauses and exploring."""
