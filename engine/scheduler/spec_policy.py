@@ -291,13 +291,17 @@ class SpecPolicy:
         return best, (best_rate / plain_rate if plain_rate > 0 else float("inf"))
 
     def _draft_weights(self) -> list[float]:
-        """(c0, c, e) of the draft cost, from the features the drafting steps seen so far tell apart: all three; or
-        the call and the drafted tokens (every step at one depth, the batch varying); or the call alone (every step
-        alike: its cost, whatever the depth, the least a deeper draft can be said to cost)."""
+        """(c0, c, e) of the draft cost, from the features the drafting steps seen so far tell apart, every weight a
+        cost (not negative): all three; or the call and the drafted tokens (every step at one depth, the batch
+        varying; or a batch that barely varies, where depth and drafted tokens move together and a three-feature
+        fit returns opposite signs); or the call alone (every step alike: its cost, whatever the depth, the least a
+        deeper draft can be said to cost)."""
         for use in ((0, 1, 2), (0, 2), (0,)):
             weights = self._draft.weights(use)
-            if weights is not None:
-                return weights
+            # A weight a hair below 0 is rounding (a cost that is in fact 0); a clearly negative one is the fit
+            # trading one collinear feature against another.
+            if weights is not None and min(weights) >= -0.05 * max(abs(w) for w in weights):
+                return [max(w, 0.0) for w in weights]
         return [0.0, 0.0, 0.0]
 
     # ---------------------------------------------------------------- observing

@@ -96,6 +96,20 @@ def test_the_draft_fit_tells_a_calls_cost_from_its_depths() -> None:
     assert fit.weights() == pytest.approx((0.4, 0.05, 0.02))
 
 
+def test_the_draft_cost_has_no_negative_weight() -> None:
+    """Steps whose batch barely varies (8, then 7) make depth and drafted tokens move together, and their three-feature
+    fit can trade one against the other (here the exact fit of these times has a negative per-depth cost, as noise
+    gave in a real 8-stream run: a depth 4 then modelled cheaper than a depth 2). The rule then takes the call and the
+    drafted tokens alone, whose weights are costs. Fails without the sign check (c < 0)."""
+    policy = SpecPolicy(SPEC)
+    for depth, batch in ((2, 8), (3, 8), (2, 7), (3, 7), (4, 8)):
+        seconds = 1.0 - 0.3 * depth + 0.06 * depth * batch  # what the fit is given: c0 1.0, c -0.3, e 0.06
+        policy.observe_step(batch * (1 + depth), depth, batch, 3.0 + seconds, seconds)
+    c0, c, e = policy._draft_weights()
+    assert min(c0, c, e) >= 0.0
+    assert c0 + 2 * c + 16 * e == pytest.approx(1.0 - 0.6 + 0.96, rel=0.25)  # still about what a draft costs
+
+
 def test_one_stream_with_a_good_draft_drafts_the_full_depth() -> None:
     """Batch 1: the step's fixed cost dominates, a token more in the verify is almost free: speculation pays."""
     policy = SpecPolicy(SPEC)
