@@ -420,7 +420,8 @@ class PanelLinearKernel:
     def bind(self, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> BoundPanelLinear:
         """The product with these weights, checked once here; each call then checks only its ``x``."""
         _check_weight_args(panels, out_features, bias)
-        return BoundPanelLinear(self.library.ordinal_panel_linear, panels, out_features, bias)
+        bf16 = int(panels.dtype == torch.bfloat16)
+        return BoundPanelLinear(self.library.ordinal_panel_linear, panels, out_features, bias, bf16)
 
 
 @dataclass(frozen=True, eq=False)
@@ -432,6 +433,7 @@ class BoundPanelLinear:
     panels: torch.Tensor  # [ceil(out / 32), in, 32]
     out_features: int
     bias: torch.Tensor | None  # [ceil(out / 32) * 32]
+    bf16: int  # the panels hold bf16 values (1) or float32 (0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, in] CPU float32. Returns y [N, out_features] float32."""
@@ -452,7 +454,7 @@ class BoundPanelLinear:
             self.out_features,
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
-            int(self.panels.dtype == torch.bfloat16),
+            self.bf16,
             torch.get_num_threads(),
         )
         return y

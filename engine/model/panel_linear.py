@@ -31,12 +31,6 @@ def panels(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return padded.view(width // PANEL, PANEL, -1).transpose(1, 2).contiguous()  # [out' / 32, in, 32]
 
 
-def unpanel(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of :func:`panels`: the weight [out, in] in float32."""
-    count, width = packed.shape[0], packed.shape[1]
-    return packed.float().transpose(1, 2).reshape(count * PANEL, width)[:out_features].contiguous()  # [out, in]
-
-
 def padded_bias(bias: torch.Tensor) -> torch.Tensor:
     """A bias [out] zero-padded to whole panels."""
     out = torch.zeros(-(-bias.shape[0] // PANEL) * PANEL, dtype=bias.dtype)  # [out']
@@ -62,11 +56,6 @@ class PanelLinear(nn.Module):
         if x.dim() == 2:
             return self._product(x)  # [N, out]
         return self._product(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The weight [out, in], unpacked (a copy: for inspection, not for the forward)."""
-        return unpanel(self.panels, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -21,7 +21,7 @@ from engine.kv.pool import KVPool
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
 from engine.model.loader import random_model
 from engine.model.native import NATIVE_ENV, PanelLinearKernel, panel_linear_kernel
-from engine.model.panel_linear import PanelLinear, pack_for_cpu, pack_linears, padded_bias, panels, unpanel
+from engine.model.panel_linear import PanelLinear, pack_for_cpu, pack_linears, padded_bias, panels
 from tests.support.models import single_thread, tiny_llama  # noqa: F401  (single_thread: an autouse fixture)
 
 PAGE_SIZE = 4
@@ -109,13 +109,6 @@ def test_arguments_that_do_not_fit_are_refused(kernel: PanelLinearKernel) -> Non
         with pytest.raises(ValueError):
             call()
             pytest.fail(what)
-
-
-def test_panels_round_trip(kernel: PanelLinearKernel) -> None:
-    weight = _weights(45, 20, False)[0]
-    assert torch.equal(unpanel(panels(weight, torch.float32), 45), weight)
-    layer = PanelLinear(nn.Linear(20, 45), kernel)
-    assert layer.weight.shape == (45, 20)
 
 
 def _model_and_pool() -> tuple[nn.Module, KVPool]:
