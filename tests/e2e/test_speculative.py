@@ -16,7 +16,8 @@ import json
 import random
 import shutil
 from collections.abc import Iterator
-from dataclasses import replace
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from engine.model.embedded import DRAFT_SPEC, ensure_embedded_draft_model
 from engine.model.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.engine import Engine
-from engine.scheduler.request import RequestOutput, RequestState
+from engine.scheduler.request import RequestOutput, RequestState, TokenLogprob
 from services.flags import add_engine_args, engine_config
 from tests.helpers import assert_engine_baseline
 
@@ -376,3 +377,140 @@ def test_a_verify_that_accepts_less_than_its_bound_is_followed_at_once(
         outs = [engine.generate_batch([prompt], [p], timeout=60)[0] for prompt, p in zip(prompts, params, strict=False)]
     assert sum(o.spec_draft_tokens for o in outs) > sum(o.spec_accepted_tokens for o in outs)  # the case happened
     assert _WaitWatch.lost_wakeups == 0
+
+
+SAMPLED_CONFIGS = {
+    "draft chain": (CONFIGS["draft chain"], True),
+    "draft tree": (CONFIGS["draft tree"], False),
+    "ngram chain": (CONFIGS["ngram chain"], False),
+    "ngram tree, adaptive": (replace(CONFIGS["ngram tree"], adaptive=True), True),
+}
+
+
+# Text the embedded model continues in a pattern (so n-gram lookups find their drafts in it), repeated.
+PATTERNS = (
+    "Question: What is the opposite of hot? Answer: The opposite of hot is cold.\n",
+    "one two three four five six seven eight nine ten. ",
+    '{"name": "Ada", "age": 30}\n{"name": "Bob", "age": 41}\n',
+    "def add(a, b):\n    return a + b\n\n",
+)
+
+
+@pytest.fixture(scope="module")
+def sampled_workload(
+    embedded_model_dir: Path, workload: tuple[list[list[int]], list[SamplingParams]]
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Every other prompt of the mixed batch (chunked, prefix hits, stop strings) and as many patterned texts, each
+    request with a seed and a mix of every sampling parameter (drawn from a fixed seed): a temperature, top-k, top-p,
+    min-p, the three penalties, a logit bias, min_new_tokens, logprobs with and without top logprobs; a few greedy
+    requests among them."""
+    tokenizer = Tokenizer.from_dir(embedded_model_dir)
+    mixed, greedy = workload
+    rng = random.Random(23)
+    prompts, params = [], []
+    for i, (prompt, base) in enumerate(zip(mixed, greedy, strict=True)):
+        if i % 2:
+            prompt = tokenizer.encode(PATTERNS[i // 2 % len(PATTERNS)] * rng.randint(2, 4))
+            base = replace(base, stop=(), stop_token_ids=(), max_new_tokens=rng.randint(16, 40))
+        prompts.append(prompt)
+        if i % 8 == 7:
+            params.append(replace(base, logprobs=True, top_logprobs=2))
+            continue
+        bias = {rng.randrange(10, 2000): rng.choice([-4.0, 2.0, 6.0]) for _ in range(3)}
+        params.append(
+            replace(
+                base,
+                temperature=rng.choice([0.3, 0.6, 1.0, 1.3]),
+                seed=rng.randrange(1 << 40),
+                top_k=rng.choice([-1, -1, 3, 40]),
+                top_p=rng.choice([1.0, 0.9, 0.6]),
+                min_p=rng.choice([0.0, 0.0, 0.1]),
+                repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+                frequency_penalty=rng.choice([0.0, 0.4, -0.3]),
+                presence_penalty=rng.choice([0.0, 0.6]),
+                logit_bias=SamplingParams.logit_bias_from(bias) if i % 3 == 0 else (),
+                min_new_tokens=rng.randint(0, base.max_new_tokens) if i % 4 == 0 else 0,
+                logprobs=i % 2 == 0,
+                top_logprobs=3 if i % 4 == 0 else 0,
+            )
+        )
+    return prompts, params
+
+
+@dataclass
+class _Stream:
+    """One request's outputs as a client sees them: the final output and every streamed logprob."""
+
+    final: RequestOutput | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def _streamed_run(config: EngineConfig, workload: tuple[list[list[int]], list[SamplingParams]]) -> list[_Stream]:
+    prompts, params = workload
+    streams = [_Stream() for _ in prompts]
+    done: list[Future[None]] = []
+    with Engine(config) as engine:
+        for prompt, p, stream in zip(prompts, params, streams, strict=True):
+            finished: Future[None] = Future()
+            done.append(finished)
+
+            def sink(out: RequestOutput, stream: _Stream = stream, finished: Future[None] = finished) -> None:
+                stream.logprobs.extend(out.logprobs)
+                if out.finished:
+                    stream.final = out
+                    finished.set_result(None)
+
+            engine.submit(prompt, p, sink)
+        for finished in done:
+            finished.result(timeout=300)
+        assert_engine_baseline(engine, 30)
+    return streams
+
+
+@pytest.fixture(scope="module")
+def sampled_plain(
+    embedded_model_dir: Path, sampled_workload: tuple[list[list[int]], list[SamplingParams]]
+) -> list[_Stream]:
+    return _streamed_run(replace(BASE, model_path=str(embedded_model_dir)), sampled_workload)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLED_CONFIGS))
+def test_seeded_sampling_gives_plain_decodings_output_and_logprobs(
+    name: str,
+    noisy_draft: Path,
+    embedded_model_dir: Path,
+    sampled_workload: tuple[list[list[int]], list[SamplingParams]],
+    sampled_plain: list[_Stream],
+) -> None:
+    """A seeded request samples the same tokens with speculation as without, whatever its sampling parameters, the
+    batch it runs in and the proposer: its draft's tokens are one-hot guesses (the draft model's argmax, an n-gram's
+    lookup), and the verify draws each position with the request's own noise stream exactly as plain decoding does,
+    keeping a draft token only where that draw is it. Logprobs (from the raw rows of the accepted path) are plain
+    decoding's too, the same tokens and top tokens, their values within 1e-4: not bit for bit, since a prompt's
+    chunks fall differently in another schedule (a chunk's attention sums its cached prefix and its own keys apart)
+    and a tree's rows attend through a tree mask (another summation order).
+
+    Fails if a seeded request's spine is drawn from the draft's distribution, which is lossless but another draw
+    (checked by dropping ``params.seed is None`` from the draft model's ``sampled``: both draft-model configurations
+    fail, sampled requests' tokens differing from plain decoding's after their first verify)."""
+    spec, overlap = SAMPLED_CONFIGS[name]
+    if spec.algorithm is SpecAlgorithm.DRAFT:
+        spec = replace(spec, draft_model_path=str(noisy_draft))
+    config = replace(BASE, model_path=str(embedded_model_dir), speculative=spec, overlap=overlap)
+    streams = _streamed_run(config, sampled_workload)
+    params = sampled_workload[1]
+    for i, (s, p) in enumerate(zip(streams, sampled_plain, strict=True)):
+        assert s.final is not None and p.final is not None
+        assert s.final.output_ids == p.final.output_ids, f"request {i} ({params[i]})"
+        assert s.final.finish == p.final.finish, f"request {i}"
+        assert [lp.token_id for lp in s.logprobs] == [lp.token_id for lp in p.logprobs], f"request {i}"
+        assert [[t for t, _ in lp.top] for lp in s.logprobs] == [[t for t, _ in lp.top] for lp in p.logprobs]
+        gaps = [abs(a.logprob - b.logprob) for a, b in zip(s.logprobs, p.logprobs, strict=True)]
+        assert max(gaps, default=0.0) < 1e-4, f"request {i}"
+    finals = [s.final for s in streams if s.final is not None]
+    drafted = sum(o.spec_draft_tokens for o in finals)
+    accepted = sum(o.spec_accepted_tokens for o in finals)
+    by_sampled = sum(o.spec_accepted_tokens for o, q in zip(finals, params, strict=True) if not q.greedy)
+    print(name, "drafted", drafted, "accepted", accepted, "of them by sampled requests", by_sampled)
+    assert by_sampled > 0  # sampled requests kept drafted tokens
+    assert any(lp.top for s in streams for lp in s.logprobs)
