@@ -365,6 +365,44 @@ def _print_grammar_row(r: GrammarRow) -> None:
     )
 
 
+@torch.no_grad()
+def draft_ceiling(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
+    """What the draft model can give at best on the bench's prompts, whatever the engine's costs: the target's greedy
+    continuation of each distinct prompt (EOS banned, as in the bench), the share of its positions where the draft's
+    most likely next token is the target's (top-1; top-2 in brackets), and the tokens per verify a greedy chain of
+    each depth gets replayed along those agreements (training/evaluate.py's replay). The fixed column above measures
+    the last depth's in the engine."""
+    from transformers import AutoModelForCausalLM  # only here: the rest of the bench runs without it
+
+    from training.evaluate import tokens_per_verify
+
+    target_dir, draft = model_dir(EngineConfig(model_path=args.target)), _draft("draft", args)
+    assert draft is not None
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    drafter = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
+    depths = range(1, args.steps + 1)
+    print("\ndraft model's ceiling (top-1 agreement with the target's greedy text; tokens per verify of a chain):")
+    for kind in ("repeating", "fresh"):
+        jobs = prompts(tokenizer, kind, len(_REPEATING if kind == "repeating" else _FRESH) * 3, args.max_new)
+        top1 = top2 = positions = 0
+        tokens = dict.fromkeys(depths, 0.0)
+        steps = dict.fromkeys(depths, 0.0)
+        for job in jobs:
+            ids = torch.tensor([job.prompt])  # [1, P]
+            out = target.generate(ids, max_new_tokens=args.max_new, min_new_tokens=args.max_new, do_sample=False)
+            text = out[0, ids.shape[1] :]  # [C]
+            logits = drafter(input_ids=out).logits[0, ids.shape[1] - 1 : -1]  # [C, V]
+            ranks = (logits > logits.gather(1, text[:, None])).sum(dim=-1)  # [C]: 0 = the draft's argmax
+            agreed = (ranks == 0).tolist()
+            top1, top2, positions = top1 + sum(agreed), top2 + int((ranks <= 1).sum()), positions + len(agreed)
+            for d in depths:
+                gained = tokens_per_verify(agreed, d)
+                tokens[d] += len(agreed)
+                steps[d] += len(agreed) / gained
+        replay = " ".join(f"d{d} {tokens[d] / steps[d]:.2f}" for d in depths)
+        print(f"  {kind:>9}: top-1 {top1 / positions:.0%} (top-2 {top2 / positions:.0%}); {replay}", flush=True)
+
+
 def traversal_per_node(target: Path, tokenizer: Tokenizer, depth: int) -> None:
     """Time xgrammar's draft-tree traversal (what the grammar service runs per constrained entry and step) along a
     real output, a chain of ``depth`` draft tokens at each position; print the time per mask row p50 / p99."""
@@ -441,6 +479,8 @@ def main() -> None:
     if not args.only_grammar:
         print(_HEADER, flush=True)
         bench(args)
+        if "draft" in args.algorithms:
+            draft_ceiling(args, Tokenizer.from_dir(model_dir(EngineConfig(model_path=args.target))))
     if not args.no_grammar:
         target = model_dir(EngineConfig(model_path=args.target))
         tokenizer = Tokenizer.from_dir(target)
