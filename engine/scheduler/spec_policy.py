@@ -32,7 +32,12 @@ of depth d then yields ``E(d) = 1 + α_1 + α_1·α_2 + ... + α_1···α_d`` t
 
 Each step the scheduler plans the depth d (0 .. the configured maximum) that maximises the step's tokens per
 second, ``Σ E_r(d) / (verify(B + d·B_s) + draft(d, B_s))`` over its B decodes (B_s of them drafting). Depth 0 is
-plain decoding, so the rule picks speculation only where the measured model says it is faster. To keep the
+plain decoding, so the rule picks speculation only where the measured model says it is faster, and for d >= 1 it
+takes the verify at its upper estimate, ``confidence`` standard errors of the fit's prediction above it: a drafting
+step's size often lies far beyond the plain steps the fit mostly saw (at 32 streams, 60-160 tokens against 28-32),
+and a slope fitted on steps of nearly one size on a loaded host is mostly noise, which extrapolated low had the rule
+draft at 27 streams where drafting lost (a bench cell at 0.86x plain). Where the steps drafted are the steps
+measured (one stream, a few), the estimate's error is small and costs nothing. To keep the
 model honest it plans the opposite choice now and then: while drafting, a plain step once every ``explore_every``
 steps, the gap doubling (up to ``max_plain_gap``) while drafting wins by ``wide_margin`` or more (a plain probe
 costs a step's worth of drafted tokens, and where the margin is wide a somewhat stale fit cannot flip the choice;
@@ -49,6 +54,7 @@ each relapse up to ``max_pause``), then tries again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,18 +70,22 @@ class SpecPolicyConfig:
     explore_requests: int = 4  # how many of a step's requests draft when it explores drafting
     forgetting: float = 0.97  # weight kept by past observations per new one (cost fits and acceptances)
     prior_tokens: float = 2.0  # strength of the engine-wide acceptance as a request's prior
+    confidence: float = 2.0  # standard errors added to a drafting step's modelled verify cost
     min_alpha: float = 0.1
     pause: int = 8
     max_pause: int = 256
 
 
 class _LinearFit:
-    """y ≈ w·x for a few features, by exponentially weighted least squares (normal equations, solved in place)."""
+    """y ≈ w·x for a few features, by exponentially weighted least squares (normal equations, solved in place), and
+    how far a prediction may be off: the residuals' spread carried to a point through the fit's covariance."""
 
     def __init__(self, forgetting: float, features: int = 2) -> None:
         self._lam = forgetting
         self._xx = [[0.0] * features for _ in range(features)]  # Σ x_i·x_j
         self._xy = [0.0] * features  # Σ x_i·y
+        self._yy = 0.0  # Σ y²
+        self._weight = 0.0  # Σ of the observations' weights
         self.count = 0
 
     def add(self, x: Sequence[float], y: float) -> None:
@@ -85,13 +95,37 @@ class _LinearFit:
             for j, xj in enumerate(x):
                 row[j] = lam * row[j] + xi * xj
             self._xy[i] = lam * self._xy[i] + xi * y
+        self._yy = lam * self._yy + y * y
+        self._weight = lam * self._weight + 1.0
         self.count += 1
 
     def weights(self, use: Sequence[int] | None = None) -> list[float] | None:
         """The fitted weights with only the features ``use`` (default all; the others' weights 0), or None while
         those features do not yet tell their weights apart (a determinant below 1e-9 of the diagonal's product)."""
         index = list(range(len(self._xy))) if use is None else list(use)
-        a = [[self._xx[i][j] for j in index] + [self._xy[i]] for i in index]  # the augmented normal equations
+        solved = self._solve(index, [self._xy[i] for i in index])
+        if solved is None:
+            return None
+        out = [0.0] * len(self._xy)
+        for i, w in zip(index, solved, strict=True):
+            out[i] = w
+        return out
+
+    def spread(self, x: Sequence[float]) -> float:
+        """The standard error of the fit's prediction at ``x`` (all features): the residuals' weighted variance times
+        x·(XᵀWX)⁻¹·x. Small where the observations were, growing with the distance from them; 0 while there are too
+        few observations to tell (no more than features)."""
+        index = list(range(len(self._xy)))
+        weights, z = self.weights(), self._solve(index, list(x))
+        dof = self._weight - len(index)
+        if weights is None or z is None or dof <= 0.0:
+            return 0.0
+        residual = max(self._yy - sum(w * xy for w, xy in zip(weights, self._xy, strict=True)), 0.0)
+        return math.sqrt(residual / dof * max(sum(xi * zi for xi, zi in zip(x, z, strict=True)), 0.0))
+
+    def _solve(self, index: list[int], rhs: list[float]) -> list[float] | None:
+        """The normal equations' matrix over ``index`` solved for ``rhs``; None when it is (nearly) singular."""
+        a = [[self._xx[i][j] for j in index] + [r] for i, r in zip(index, rhs, strict=True)]  # augmented
         bound = 1.0
         for i in range(len(index)):
             bound *= a[i][i]
@@ -112,10 +146,7 @@ class _LinearFit:
         for row in reversed(range(len(index))):
             rest = sum(a[row][j] * solved[j] for j in range(row + 1, len(index)))
             solved[row] = (a[row][-1] - rest) / a[row][row]
-        out = [0.0] * len(self._xy)
-        for i, w in zip(index, solved, strict=True):
-            out[i] = w
-        return out
+        return solved
 
 
 @dataclass
@@ -285,7 +316,11 @@ class SpecPolicy:
         for d in range(1, top + 1):
             reach = [p * rates[d - 1] for p, rates in zip(reach, alphas, strict=True)]
             tokens += sum(reach)
-            seconds = a + b * (n + d * drafting) + c0 + d * (c + e * drafting)
+            forward = n + d * drafting
+            # Drafting is chosen on the verify's upper estimate: a drafting step's size often lies far beyond the
+            # plain steps the fit mostly saw, and a slope fitted on steps of nearly one size is mostly noise there.
+            upper = self.config.confidence * self._verify.spread((1.0, float(forward)))
+            seconds = a + b * forward + upper + c0 + d * (c + e * drafting)
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = d, tokens / seconds
         return best, (best_rate / plain_rate if plain_rate > 0 else float("inf"))

@@ -42,16 +42,20 @@ def _drive(
     steps: int,
     drafting: list[int] | None = None,
     start: tuple[Machine, int] | None = None,
+    noise: float = 0.0,
+    vary: int = 0,
 ) -> list[int]:
     """``steps`` decode steps of ``batch`` requests whose draft tokens are each accepted with ``alpha`` (a tuple: the
     k-th draft token, its k - 1 before accepted, with ``alpha[k - 1]``, the last entry for every later one); the
     batch depth chosen for each (and in ``drafting`` how many requests drafted). ``start``: another machine for the
-    first steps."""
+    first steps. ``noise``: each step's times scaled by a lognormal factor of that sigma (a loaded host); ``vary``:
+    each step leaves out up to that many of the requests (finished and admitted ones)."""
     rng = random.Random(7)
     rates = alpha if isinstance(alpha, tuple) else (alpha,)
-    reqs = [RequestSpec() for _ in range(batch)]
+    everyone = [RequestSpec() for _ in range(batch)]
     chosen = []
     for step in range(steps):
+        reqs = everyone[: batch - rng.randint(0, vary)] if vary else everyone
         depth = policy.batch_depth(reqs)
         chosen.append(depth)
         tokens = drafted = 0
@@ -65,6 +69,9 @@ def _drive(
             drafted += d > 0
         on = start[0] if start is not None and step < start[1] else machine
         seconds, draft_seconds = on.times(tokens, depth, drafted)
+        if noise:
+            scale = rng.lognormvariate(0.0, noise)
+            seconds, draft_seconds = seconds * scale, draft_seconds * scale
         policy.observe_step(tokens, depth, drafted, seconds, draft_seconds)
         if drafting is not None:
             drafting.append(drafted)
@@ -160,6 +167,33 @@ def test_a_large_batch_where_verifying_costs_more_than_it_gains_decodes_plainly(
     assert {drafting[40 + i] for i in explored} == {4}
     gaps = [b - a for a, b in itertools.pairwise(explored)]
     assert all(later >= 2 * earlier for earlier, later in itertools.pairwise(gaps)), gaps
+
+
+def test_a_noisy_host_does_not_make_a_large_batch_draft() -> None:
+    """Batch 28-32 on a loaded host (every step's time off by a lognormal 20%), where drafting loses (depth 1: 8%
+    fewer tokens per second than plain, deeper worse). Plain steps all have about the same size, so they say little
+    about what a token more costs; fitted on them the per-token cost drifts with the noise, and extrapolated to a
+    drafting step's 60-160 tokens a low estimate made drafting look faster (a 32-stream bench run read 0.86x plain).
+    The rule drafts only where it is faster by the fit's upper estimate of the verify's cost, which grows with the
+    distance from what was measured. Fails without that (checked: 5 of the last 340 steps drafted the whole batch, 12
+    drafted at all); with it only the exploring steps draft (2, each for 4 requests)."""
+    policy = SpecPolicy(SPEC)
+    machine = Machine(fixed=6.0, per_token=0.2, draft_fixed=0.3, draft_per_request=0.05, draft_call=1.0)
+    drafting: list[int] = []
+    chosen = _drive(policy, machine, batch=32, alpha=0.6, steps=400, drafting=drafting, noise=0.2, vary=4)
+    whole = [i for i in range(60, 400) if chosen[i] and drafting[i] > 4]
+    assert not whole, whole
+
+
+def test_noise_does_not_stop_drafting_where_it_pays() -> None:
+    """The same noise at one stream (depth 4 pays: 2.3 tokens a step for 20% more time) and at batch 16 (depth 2-3
+    pays): the upper estimate costs nothing where the steps drafted are the steps measured."""
+    one = Machine(fixed=2.0, per_token=0.05, draft_fixed=0.3, draft_per_request=0.01)
+    chosen = _drive(SpecPolicy(SPEC), one, batch=1, alpha=0.8, steps=300, noise=0.2)
+    assert chosen[-100:].count(4) >= 90
+    sixteen = Machine(fixed=5.0, per_token=0.1, draft_fixed=0.3, draft_per_request=0.03, draft_call=0.5)
+    chosen = _drive(SpecPolicy(SPEC), sixteen, batch=16, alpha=0.8, steps=300, noise=0.2, vary=2)
+    assert sum(1 for d in chosen[-100:] if d >= 2) >= 90
 
 
 def test_exploring_plain_decoding_while_drafting_thinly_keeps_its_period() -> None:
