@@ -70,6 +70,7 @@ class _Inflight:
     planned: tuple[int, ...]
     chunk_ends: tuple[int, ...]
     draft_depth: int = 0  # the speculative depth the step's decodes were planned at
+    catch_up: int = 0  # tokens the drafting requests' draft model had to read before drafting (SpecPolicy)
 
 
 @dataclass
@@ -179,8 +180,10 @@ class Scheduler:
         planned: list[tuple[StepEntry, int, int]] = []  # entry, output tokens it may produce, chunk end
         budget = self._config.chunk_size
         if self._draft_nodes:
-            decodes = [r.drafting for r in self._running if r.state is RequestState.DECODING and not r.finishing]
-            self._depth = self._policy.batch_depth(decodes)
+            decodes = [r for r in self._running if r.state is RequestState.DECODING and not r.finishing]
+            for r in decodes:
+                r.drafting.length = r.num_prompt + len(r.output_ids)
+            self._depth = self._policy.batch_depth([r.drafting for r in decodes])
         for req in self._running:
             item, used = self._plan_running(req, budget)
             if item is not None:
@@ -205,6 +208,7 @@ class Scheduler:
                 tuple(tokens for _, tokens, _ in planned),
                 tuple(end for _, _, end in planned),
                 self._depth,
+                self._policy.take_catch_up() if self._draft_nodes else 0,
             )
         )
         return plan
@@ -380,7 +384,9 @@ class Scheduler:
         drafted = sum(1 for run in result.runs if run.num_drafted)
         timing = result.timing
         seconds = max(timing.done, period_s) if period_s is not None else timing.done
-        self._policy.observe_step(forward_tokens, inflight.draft_depth, drafted, seconds, timing.draft_seconds)
+        self._policy.observe_step(
+            forward_tokens, inflight.draft_depth, drafted, seconds, timing.draft_seconds, inflight.catch_up
+        )
 
     def finish_commit(self, pending: PendingCommit, grammar: Sequence[GrammarCommitOutcome]) -> CommitOutcome:
         """Phase 2: ``grammar`` answers ``pending.grammar`` in order. A run the grammar ended early is cut there

@@ -5,13 +5,19 @@ Cost, fitted online from every pure decode step (a step with a prefill chunk say
 exponentially weighted least squares:
 
     verify(T)      = a + b·T                  the step's cost outside the proposer, T = tokens in the step's forward
-    draft(d, B)    = c0 + d·(c + e·B)         the proposer's time for depth d over B drafted requests (d >= 1)
+    draft(d, B, K) = c0 + d·(c + e·B) + f·K   the proposer's time for depth d over B drafted requests (d >= 1) that
+                                              first read K tokens they had not seen (the catch-up)
 
 The draft's ``c0`` is what a drafting step costs whatever its depth (the call, the catch-up of the tokens since the
 last draft, the Python around it): a native draft chain's whole depth costs about as much as its first token (0.65
 ms a step in the executor at one stream, of which ~0.05 ms per depth), and without ``c0`` the fit spread that over
 the depths, so a draft of 1 looked four times cheaper than one of 4 and the rule drafted shallow where the full
-depth paid.
+depth paid. The catch-up ``K`` is what a draft model reads before drafting: a token or so per request while it drafts
+every step, everything since its last draft after plain steps (its prompt too, the first time). At 32 streams an
+exploring step's four requests read 16-64 tokens each (2-4 ms of the draft's time, against 0.5 at steady state):
+without ``K`` in the fit that went into ``c0`` and ``e``, by however long the gap since the last exploration was. The
+rule plans with the steady catch-up, one token per drafting request (see ``_best_depth``). ``K`` is counted by the
+rule itself from each request's length as the scheduler planned it (``RequestSpec.length``, ``fed``).
 
 A step's cost is its period (the wall time between two commits the loop ran back to back: the host's work on the
 step's tokens included) or, when unknown, the executor's time (``StepTiming``): where the scheduler's core is the
@@ -113,13 +119,13 @@ class _LinearFit:
 
     def spread(self, x: Sequence[float]) -> float:
         """The standard error of the fit's prediction at ``x`` (all features): the residuals' weighted variance times
-        x·(XᵀWX)⁻¹·x. Small where the observations were, growing with the distance from them; 0 while there are too
-        few observations to tell (no more than features)."""
+        x·(XᵀWX)⁻¹·x. Small where the observations were, growing with the distance from them; infinite while there
+        are too few observations to tell (no more than features: a line through two points has no residual)."""
         index = list(range(len(self._xy)))
         weights, z = self.weights(), self._solve(index, list(x))
         dof = self._weight - len(index)
         if weights is None or z is None or dof <= 0.0:
-            return 0.0
+            return math.inf
         residual = max(self._yy - sum(w * xy for w, xy in zip(weights, self._xy, strict=True)), 0.0)
         return math.sqrt(residual / dof * max(sum(xi * zi for xi, zi in zip(x, z, strict=True)), 0.0))
 
@@ -187,6 +193,13 @@ class RequestSpec:
     positions: Positions = field(default_factory=Positions)
     paused_until: int = 0
     pause: int = 0
+    length: int = 0  # the request's tokens (prompt and outputs) when last planned: the scheduler sets it
+    fed: int = 0  # its length, its drafts included, when it last drafted (0: never: its draft has seen nothing)
+
+    def catch_up(self) -> int:
+        """Tokens a draft model must read before drafting for this request: all since it last drafted (a request
+        that never drafted: its prompt too), at least its pending token."""
+        return max(self.length - self.fed, 1)
 
 
 @dataclass
@@ -206,10 +219,11 @@ class SpecPolicy:
     _next_plain: int = 0
     _explore_quota: int | None = None  # requests of the exploring step that may still draft; None: not exploring
     _explored_shallow: bool = False  # the last exploring step drafted depth 1 (see _exploring_depth)
+    _catch_up: int = 0  # catch-up tokens of the requests drafting in the step being planned (take_catch_up)
 
     def __post_init__(self) -> None:
         self._verify = _LinearFit(self.config.forgetting)
-        self._draft = _LinearFit(self.config.forgetting, 3)
+        self._draft = _LinearFit(self.config.forgetting, 4)
         self._explore_gap = self.config.explore_every
         self._plain_gap = self.config.explore_every
         self._next_plain = self.config.explore_every - 1
@@ -278,7 +292,16 @@ class SpecPolicy:
             if self._explore_quota <= 0:
                 return 0
             self._explore_quota -= 1
+        if batch_depth:
+            self._catch_up += req.catch_up()
+            req.fed = req.length + batch_depth
         return batch_depth
+
+    def take_catch_up(self) -> int:
+        """The catch-up tokens of the requests given a depth since the last call: the planned step's, reported back
+        with its cost (observe_step)."""
+        taken, self._catch_up = self._catch_up, 0
+        return taken
 
     def expected_tokens(self, req: RequestSpec, depth: int) -> float:
         """Tokens a chain verify of ``depth`` draft tokens is expected to give ``req``: 1 + α_1 + α_1·α_2 + ..."""
@@ -305,7 +328,7 @@ class SpecPolicy:
         if verify is None or len(self._sizes) < 2:
             return None
         a, b = verify
-        c0, c, e = self._draft_weights()
+        c0, c, e, f = self._draft_weights()
         top = self.spec.draft_nodes
         alphas = [self.alphas(r, top) for r in requests if self._step >= r.paused_until]
         n, drafting = len(requests), len(alphas)
@@ -320,30 +343,42 @@ class SpecPolicy:
             # Drafting is chosen on the verify's upper estimate: a drafting step's size often lies far beyond the
             # plain steps the fit mostly saw, and a slope fitted on steps of nearly one size is mostly noise there.
             upper = self.config.confidence * self._verify.spread((1.0, float(forward)))
-            seconds = a + b * forward + upper + c0 + d * (c + e * drafting)
+            # The catch-up at its steady state, a token or so per request: a first draft after plain steps reads more,
+            # once; charged to the choice, it would grow with every plain step and drafting would never start again.
+            seconds = a + b * forward + upper + c0 + d * (c + e * drafting) + f * drafting
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = d, tokens / seconds
         return best, (best_rate / plain_rate if plain_rate > 0 else float("inf"))
 
     def _draft_weights(self) -> list[float]:
-        """(c0, c, e) of the draft cost, from the features the drafting steps seen so far tell apart, every weight a
-        cost (not negative): all three; or the call and the drafted tokens (every step at one depth, the batch
-        varying; or a batch that barely varies, where depth and drafted tokens move together and a three-feature
-        fit returns opposite signs); or the call alone (every step alike: its cost, whatever the depth, the least a
-        deeper draft can be said to cost)."""
-        for use in ((0, 1, 2), (0, 2), (0,)):
+        """(c0, c, e, f) of the draft cost, from the features the drafting steps seen so far tell apart, every weight
+        a cost (not negative): all four; without the depth (every step at one depth, the batch varying; or a batch
+        that barely varies, where depth and drafted tokens move together and a fit with both returns opposite
+        signs); the call and the catch-up alone; then the same without the catch-up (a proposer that reads nothing
+        to catch up, n-gram lookup, or steps whose catch-ups were all alike); or the call alone (every step alike:
+        its cost, whatever the depth, the least a deeper draft can be said to cost)."""
+        for use in ((0, 1, 2, 3), (0, 2, 3), (0, 3), (0, 1, 2), (0, 2), (0,)):
             weights = self._draft.weights(use)
             # A weight a hair below 0 is rounding (a cost that is in fact 0); a clearly negative one is the fit
             # trading one collinear feature against another.
             if weights is not None and min(weights) >= -0.05 * max(abs(w) for w in weights):
                 return [max(w, 0.0) for w in weights]
-        return [0.0, 0.0, 0.0]
+        return [0.0, 0.0, 0.0, 0.0]
 
     # ---------------------------------------------------------------- observing
 
-    def observe_step(self, forward_tokens: int, depth: int, drafted: int, seconds: float, draft_seconds: float) -> None:
+    def observe_step(
+        self,
+        forward_tokens: int,
+        depth: int,
+        drafted: int,
+        seconds: float,
+        draft_seconds: float,
+        catch_up: int = 0,
+    ) -> None:
         """A committed pure decode step: ``forward_tokens`` through the model, ``drafted`` requests drafted at
-        ``depth``; the executor took ``seconds``, ``draft_seconds`` of them in the proposer."""
+        ``depth`` with ``catch_up`` tokens to read first (take_catch_up when it was planned); the executor took
+        ``seconds``, ``draft_seconds`` of them in the proposer."""
         self._step += 1
         if not drafted:  # the engine-wide rates fade in time as a request's do (observe_request)
             self._engine.decay(self.config.forgetting)
@@ -353,7 +388,7 @@ class SpecPolicy:
         if len(self._sizes) < 2:
             self._sizes.add(forward_tokens)
         if depth and drafted:
-            self._draft.add((1.0, float(depth), float(depth * drafted)), draft_seconds)
+            self._draft.add((1.0, float(depth), float(depth * drafted), float(catch_up)), draft_seconds)
 
     def tick(self) -> None:
         """A step that says nothing about the cost (a prefill chunk in it) still counts for pauses and exploring."""

@@ -28,9 +28,11 @@ class Machine:
     draft_fixed: float
     draft_per_request: float
     draft_call: float = 0.0  # a drafting step's cost whatever its depth (a native chain's call)
+    catch_up: float = 0.0  # per token a drafting request's draft reads first (all since its last draft)
 
-    def times(self, tokens: int, depth: int, drafted: int) -> tuple[float, float]:
-        draft = self.draft_call + depth * (self.draft_fixed + self.draft_per_request * drafted) if drafted else 0.0
+    def times(self, tokens: int, depth: int, drafted: int, catch_up: int = 0) -> tuple[float, float]:
+        per_depth = self.draft_fixed + self.draft_per_request * drafted
+        draft = self.draft_call + depth * per_depth + self.catch_up * catch_up if drafted else 0.0
         return self.fixed + self.per_token * tokens + draft, draft
 
 
@@ -52,7 +54,7 @@ def _drive(
     each step leaves out up to that many of the requests (finished and admitted ones)."""
     rng = random.Random(7)
     rates = alpha if isinstance(alpha, tuple) else (alpha,)
-    everyone = [RequestSpec() for _ in range(batch)]
+    everyone = [RequestSpec(length=20) for _ in range(batch)]  # 20-token prompts
     chosen = []
     for step in range(steps):
         reqs = everyone[: batch - rng.randint(0, vary)] if vary else everyone
@@ -65,14 +67,16 @@ def _drive(
             while accepted < d and rng.random() < rates[min(accepted, len(rates) - 1)]:
                 accepted += 1
             policy.observe_request(req, d, accepted)
+            req.length += 1 + accepted
             tokens += 1 + d
             drafted += d > 0
+        catch_up = policy.take_catch_up()
         on = start[0] if start is not None and step < start[1] else machine
-        seconds, draft_seconds = on.times(tokens, depth, drafted)
+        seconds, draft_seconds = on.times(tokens, depth, drafted, catch_up)
         if noise:
             scale = rng.lognormvariate(0.0, noise)
             seconds, draft_seconds = seconds * scale, draft_seconds * scale
-        policy.observe_step(tokens, depth, drafted, seconds, draft_seconds)
+        policy.observe_step(tokens, depth, drafted, seconds, draft_seconds, catch_up)
         if drafting is not None:
             drafting.append(drafted)
     return chosen
@@ -112,8 +116,8 @@ def test_the_draft_cost_has_no_negative_weight() -> None:
     for depth, batch in ((2, 8), (3, 8), (2, 7), (3, 7), (4, 8)):
         seconds = 1.0 - 0.3 * depth + 0.06 * depth * batch  # what the fit is given: c0 1.0, c -0.3, e 0.06
         policy.observe_step(batch * (1 + depth), depth, batch, 3.0 + seconds, seconds)
-    c0, c, e = policy._draft_weights()
-    assert min(c0, c, e) >= 0.0
+    c0, c, e, f = policy._draft_weights()
+    assert min(c0, c, e, f) >= 0.0
     assert c0 + 2 * c + 16 * e == pytest.approx(1.0 - 0.6 + 0.96, rel=0.25)  # still about what a draft costs
 
 
@@ -194,6 +198,23 @@ def test_noise_does_not_stop_drafting_where_it_pays() -> None:
     sixteen = Machine(fixed=5.0, per_token=0.1, draft_fixed=0.3, draft_per_request=0.03, draft_call=0.5)
     chosen = _drive(SpecPolicy(SPEC), sixteen, batch=16, alpha=0.8, steps=300, noise=0.2, vary=2)
     assert sum(1 for d in chosen[-100:] if d >= 2) >= 90
+
+
+def test_an_exploring_steps_catch_up_is_not_taken_for_the_drafts_own_cost() -> None:
+    """Batch 32 where drafting depth 2 pays 7% at its steady state (acceptance 0.7), and a draft model that reads
+    0.025 per token it has not seen: each exploring step's four requests first read everything since their last
+    exploration (30-130 tokens each), which costs more than the draft itself. The fit tells that catch-up from the
+    draft's call and depths (its fourth feature, the catch-up counted per request from its length), the rule plans
+    the steady catch-up (a token or so per request) and drafts. Fails with the catch-up left out of the fit (checked:
+    the call's cost is then fitted at 2.7 instead of 0.6 and the rule decodes plainly in 199 of the last 200 steps)."""
+    policy = SpecPolicy(SPEC)
+    machine = Machine(
+        fixed=6.0, per_token=0.12, draft_fixed=0.05, draft_per_request=0.01, draft_call=0.5, catch_up=0.025
+    )
+    chosen = _drive(policy, machine, batch=32, alpha=0.7, steps=400, vary=4)
+    assert sum(1 for d in chosen[-200:] if d) >= 150
+    c0, _, _, f = policy._draft_weights()
+    assert c0 == pytest.approx(0.5, abs=0.2) and f == pytest.approx(0.025, rel=0.2)
 
 
 def test_exploring_plain_decoding_while_drafting_thinly_keeps_its_period() -> None:
