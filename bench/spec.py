@@ -373,9 +373,11 @@ def draft_ceiling(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
     each depth gets replayed along those agreements (training/evaluate.py's replay). The fixed column above measures
     the last depth's in the engine."""
     from transformers import AutoModelForCausalLM  # only here: the rest of the bench runs without it
+    from transformers.utils import logging as hf_logging
 
     from training.evaluate import tokens_per_verify
 
+    hf_logging.disable_progress_bar()
     target_dir, draft = model_dir(EngineConfig(model_path=args.target)), _draft("draft", args)
     assert draft is not None
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
