@@ -76,7 +76,8 @@ class SpecPolicyConfig:
     explore_requests: int = 4  # how many of a step's requests draft when it explores drafting
     forgetting: float = 0.97  # weight kept by past observations per new one (cost fits and acceptances)
     prior_tokens: float = 2.0  # strength of the engine-wide acceptance as a request's prior
-    confidence: float = 2.0  # standard errors added to a drafting step's modelled verify cost
+    confidence: float = 2.0  # standard errors added to a drafting step's modelled verify cost (a narrow win's check)
+    sure_margin: float = 1.3  # drafting's modelled rate over plain's from which it is taken without that check
     min_alpha: float = 0.1
     pause: int = 8
     max_pause: int = 256
@@ -335,20 +336,26 @@ class SpecPolicy:
         reach = [1.0] * drafting  # α_r,1 ··· α_r,d: the chance that request r's d-th draft token is accepted
         tokens = float(n)  # at depth 0 every request gives its one sampled token
         plain_rate = tokens / (a + b * n) if a + b * n > 0 else 0.0
-        best, best_rate = 0, plain_rate
+        point, upper = [plain_rate], [plain_rate]  # tokens per second by depth: modelled, at the upper estimate
         for d in range(1, top + 1):
             reach = [p * rates[d - 1] for p, rates in zip(reach, alphas, strict=True)]
             tokens += sum(reach)
             forward = n + d * drafting
-            # Drafting is chosen on the verify's upper estimate: a drafting step's size often lies far beyond the
-            # plain steps the fit mostly saw, and a slope fitted on steps of nearly one size is mostly noise there.
-            upper = self.config.confidence * self._verify.spread((1.0, float(forward)))
             # The catch-up at its steady state, a token or so per request: a first draft after plain steps reads more,
             # once; charged to the choice, it would grow with every plain step and drafting would never start again.
-            seconds = a + b * forward + upper + c0 + d * (c + e * drafting) + f * drafting
-            if seconds > 0 and tokens / seconds > best_rate:
-                best, best_rate = d, tokens / seconds
-        return best, (best_rate / plain_rate if plain_rate > 0 else float("inf"))
+            seconds = a + b * forward + c0 + d * (c + e * drafting) + f * drafting
+            spread = self.config.confidence * self._verify.spread((1.0, float(forward)))
+            point.append(tokens / seconds if seconds > 0 else 0.0)
+            upper.append(tokens / (seconds + spread) if seconds + spread > 0 else 0.0)
+        best = max(range(top + 1), key=lambda d: point[d])
+        # A narrow modelled win must hold at the verify's upper estimate: a drafting step's size often lies far beyond
+        # the plain steps the fit mostly saw, and a slope fitted on steps of nearly one size on a loaded host is mostly
+        # noise there (a slope fitted at 0 or below is nothing else). A wide win is taken as modelled: where drafting
+        # has not been measured for a while its upper estimate is wide too, and would keep plain a stream that drafting
+        # speeds up twofold.
+        if best and (point[best] < self.config.sure_margin * plain_rate or b <= 0.0):
+            best = max(range(top + 1), key=lambda d: upper[d])
+        return best, (point[best] / plain_rate if plain_rate > 0 else float("inf"))
 
     def _draft_weights(self) -> list[float]:
         """(c0, c, e, f) of the draft cost, from the features the drafting steps seen so far tell apart, every weight

@@ -178,9 +178,9 @@ def test_a_noisy_host_does_not_make_a_large_batch_draft() -> None:
     fewer tokens per second than plain, deeper worse). Plain steps all have about the same size, so they say little
     about what a token more costs; fitted on them the per-token cost drifts with the noise, and extrapolated to a
     drafting step's 60-160 tokens a low estimate made drafting look faster (a 32-stream bench run read 0.86x plain).
-    The rule drafts only where it is faster by the fit's upper estimate of the verify's cost, which grows with the
-    distance from what was measured. Fails without that (checked: 5 of the last 340 steps drafted the whole batch, 12
-    drafted at all); with it only the exploring steps draft (2, each for 4 requests)."""
+    A modelled win narrower than ``sure_margin`` (1.3x) must hold at the fit's upper estimate of the verify's cost,
+    which grows with the distance from what was measured. Fails without that check (checked: 5 of the last 340 steps
+    drafted the whole batch, 12 drafted at all); with it only the exploring steps draft (3, each for 4 requests)."""
     policy = SpecPolicy(SPEC)
     machine = Machine(fixed=6.0, per_token=0.2, draft_fixed=0.3, draft_per_request=0.05, draft_call=1.0)
     drafting: list[int] = []
