@@ -8,13 +8,12 @@ exponentially weighted least squares:
     draft(d, B, K) = c0 + d·(c + e·B) + f·K   the proposer's time for depth d over B drafted requests (d >= 1) that
                                               first read K tokens they had not seen (the catch-up)
 
-The draft's ``c0`` is what a drafting step costs whatever its depth (the call, the catch-up of the tokens since the
-last draft, the Python around it): a native draft chain's whole depth costs about as much as its first token (0.65
+The draft's ``c0`` is what a drafting step costs whatever its depth (the call, the Python around it): a native draft chain's whole depth costs about as much as its first token (0.65
 ms a step in the executor at one stream, of which ~0.05 ms per depth), and without ``c0`` the fit spread that over
 the depths, so a draft of 1 looked four times cheaper than one of 4 and the rule drafted shallow where the full
 depth paid. The catch-up ``K`` is what a draft model reads before drafting: a token or so per request while it drafts
 every step, everything since its last draft after plain steps (its prompt too, the first time). At 32 streams an
-exploring step's four requests read 16-64 tokens each (2-4 ms of the draft's time, against 0.5 at steady state):
+exploring step's four requests read 14-35 tokens each (3-5 ms of the draft's time, against 0.5 at steady state):
 without ``K`` in the fit that went into ``c0`` and ``e``, by however long the gap since the last exploration was. The
 rule plans with the steady catch-up, one token per drafting request (see ``_best_depth``). ``K`` is counted by the
 rule itself from each request's length as the scheduler planned it (``RequestSpec.length``, ``fed``).
@@ -38,12 +37,13 @@ of depth d then yields ``E(d) = 1 + α_1 + α_1·α_2 + ... + α_1···α_d`` t
 
 Each step the scheduler plans the depth d (0 .. the configured maximum) that maximises the step's tokens per
 second, ``Σ E_r(d) / (verify(B + d·B_s) + draft(d, B_s))`` over its B decodes (B_s of them drafting). Depth 0 is
-plain decoding, so the rule picks speculation only where the measured model says it is faster, and for d >= 1 it
-takes the verify at its upper estimate, ``confidence`` standard errors of the fit's prediction above it: a drafting
-step's size often lies far beyond the plain steps the fit mostly saw (at 32 streams, 60-160 tokens against 28-32),
-and a slope fitted on steps of nearly one size on a loaded host is mostly noise, which extrapolated low had the rule
-draft at 27 streams where drafting lost (a bench cell at 0.86x plain). Where the steps drafted are the steps
-measured (one stream, a few), the estimate's error is small and costs nothing. To keep the
+plain decoding, so the rule picks speculation only where the measured model says it is faster; and a narrow win
+(under ``sure_margin`` times plain's rate) must also hold with the verify at its upper estimate, ``confidence``
+standard errors of the fit's prediction above it: a drafting step's size often lies far beyond the plain steps the
+fit mostly saw (at 32 streams, 60-160 tokens against 28-32), and a slope fitted on steps of nearly one size on a
+loaded host is mostly noise, which extrapolated low had the rule draft at 27 streams where drafting lost (a bench cell
+at 0.86x plain). A wide win is taken as modelled: where drafting has not been measured for a while the upper estimate
+is wide too. To keep the
 model honest it plans the opposite choice now and then: while drafting, a plain step once every ``explore_every``
 steps, the gap doubling (up to ``max_plain_gap``) while drafting wins by ``wide_margin`` or more (a plain probe
 costs a step's worth of drafted tokens, and where the margin is wide a somewhat stale fit cannot flip the choice;
