@@ -8,15 +8,16 @@ exponentially weighted least squares:
     draft(d, B, K) = c0 + d·(c + e·B) + f·K   the proposer's time for depth d over B drafted requests (d >= 1) that
                                               first read K tokens they had not seen (the catch-up)
 
-The draft's ``c0`` is what a drafting step costs whatever its depth (the call, the Python around it): a native draft chain's whole depth costs about as much as its first token (0.65
-ms a step in the executor at one stream, of which ~0.05 ms per depth), and without ``c0`` the fit spread that over
-the depths, so a draft of 1 looked four times cheaper than one of 4 and the rule drafted shallow where the full
-depth paid. The catch-up ``K`` is what a draft model reads before drafting: a token or so per request while it drafts
-every step, everything since its last draft after plain steps (its prompt too, the first time). At 32 streams an
-exploring step's four requests read 14-35 tokens each (3-5 ms of the draft's time, against 0.5 at steady state):
-without ``K`` in the fit that went into ``c0`` and ``e``, by however long the gap since the last exploration was. The
-rule plans with the steady catch-up, one token per drafting request (see ``_best_depth``). ``K`` is counted by the
-rule itself from each request's length as the scheduler planned it (``RequestSpec.length``, ``fed``).
+The draft's ``c0`` is what a drafting step costs whatever its depth (the call, the Python around it): a native draft
+chain's whole depth costs about as much as its first token (0.65 ms a step in the executor at one stream, of which ~0.05
+ms per depth), and without ``c0`` the fit spread that over the depths, so a draft of 1 looked four times cheaper than
+one of 4 and the rule drafted shallow where the full depth paid. The catch-up ``K`` is what a draft model reads before
+drafting: a token or so per request while it drafts every step, everything since its last draft after plain steps (its
+prompt too, the first time). At 32 streams an exploring step's four requests read 14-35 tokens each (3-5 ms of the
+draft's time, against 0.5 at steady state): without ``K`` in the fit that went into ``c0`` and ``e``, by however long
+the gap since the last exploration was. The rule plans with the steady catch-up, one token per drafting request (see
+``_best_depth``). ``K`` is counted by the rule itself from each request's length as the scheduler planned it
+(``RequestSpec.length``, ``fed``).
 
 A step's cost is its period (the wall time between two commits the loop ran back to back: the host's work on the
 step's tokens included) or, when unknown, the executor's time (``StepTiming``): where the scheduler's core is the
