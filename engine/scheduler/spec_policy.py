@@ -119,17 +119,22 @@ class _LinearFit:
             out[i] = w
         return out
 
-    def spread(self, x: Sequence[float]) -> float:
-        """The standard error of the fit's prediction at ``x`` (all features): the residuals' weighted variance times
-        x·(XᵀWX)⁻¹·x. Small where the observations were, growing with the distance from them; infinite while there
-        are too few observations to tell (no more than features: a line through two points has no residual)."""
+    def spreads(self, points: Sequence[Sequence[float]]) -> list[float]:
+        """The standard error of the fit's prediction at each of ``points`` (all features): the residuals' weighted
+        variance times x·(XᵀWX)⁻¹·x. Small where the observations were, growing with the distance from them; infinite
+        while there are too few observations to tell (no more than features: a line through two points has no
+        residual)."""
         index = list(range(len(self._xy)))
-        weights, z = self.weights(), self._solve(index, list(x))
-        dof = self._weight - len(index)
-        if weights is None or z is None or dof <= 0.0:
-            return math.inf
-        residual = max(self._yy - sum(w * xy for w, xy in zip(weights, self._xy, strict=True)), 0.0)
-        return math.sqrt(residual / dof * max(sum(xi * zi for xi, zi in zip(x, z, strict=True)), 0.0))
+        weights, dof = self.weights(), self._weight - len(index)
+        if weights is None or dof <= 0.0:
+            return [math.inf] * len(points)
+        variance = max(self._yy - sum(w * xy for w, xy in zip(weights, self._xy, strict=True)), 0.0) / dof
+        out = []
+        for x in points:
+            z = self._solve(index, list(x))
+            leverage = sum(xi * zi for xi, zi in zip(x, z, strict=True)) if z is not None else math.inf
+            out.append(math.sqrt(variance * max(leverage, 0.0)))
+        return out
 
     def _solve(self, index: list[int], rhs: list[float]) -> list[float] | None:
         """The normal equations' matrix over ``index`` solved for ``rhs``; None when it is (nearly) singular."""
@@ -305,14 +310,6 @@ class SpecPolicy:
         taken, self._catch_up = self._catch_up, 0
         return taken
 
-    def expected_tokens(self, req: RequestSpec, depth: int) -> float:
-        """Tokens a chain verify of ``depth`` draft tokens is expected to give ``req``: 1 + α_1 + α_1·α_2 + ..."""
-        tokens, reach = 1.0, 1.0
-        for alpha in self.alphas(req, depth):
-            reach *= alpha
-            tokens += reach
-        return tokens
-
     def alphas(self, req: RequestSpec, depth: int) -> list[float]:
         """α_1 .. α_depth for ``req``: its own rate at each position, leaning on the engine-wide one there."""
         k = self.config.prior_tokens
@@ -337,17 +334,14 @@ class SpecPolicy:
         reach = [1.0] * drafting  # α_r,1 ··· α_r,d: the chance that request r's d-th draft token is accepted
         tokens = float(n)  # at depth 0 every request gives its one sampled token
         plain_rate = tokens / (a + b * n) if a + b * n > 0 else 0.0
-        point, upper = [plain_rate], [plain_rate]  # tokens per second by depth: modelled, at the upper estimate
+        point, seconds = [plain_rate], [0.0]  # per depth: modelled tokens per second, and the step's seconds
         for d in range(1, top + 1):
             reach = [p * rates[d - 1] for p, rates in zip(reach, alphas, strict=True)]
             tokens += sum(reach)
-            forward = n + d * drafting
             # The catch-up at its steady state, a token or so per request: a first draft after plain steps reads more,
             # once; charged to the choice, it would grow with every plain step and drafting would never start again.
-            seconds = a + b * forward + c0 + d * (c + e * drafting) + f * drafting
-            spread = self.config.confidence * self._verify.spread((1.0, float(forward)))
-            point.append(tokens / seconds if seconds > 0 else 0.0)
-            upper.append(tokens / (seconds + spread) if seconds + spread > 0 else 0.0)
+            seconds.append(a + b * (n + d * drafting) + c0 + d * (c + e * drafting) + f * drafting)
+            point.append(tokens / seconds[d] if seconds[d] > 0 else 0.0)
         best = max(range(top + 1), key=lambda d: point[d])
         # A narrow modelled win must hold at the verify's upper estimate: a drafting step's size often lies far beyond
         # the plain steps the fit mostly saw, and a slope fitted on steps of nearly one size on a loaded host is mostly
@@ -355,6 +349,11 @@ class SpecPolicy:
         # has not been measured for a while its upper estimate is wide too, and would keep plain a stream that drafting
         # speeds up twofold.
         if best and (point[best] < self.config.sure_margin * plain_rate or b <= 0.0):
+            spreads = self._verify.spreads([(1.0, float(n + d * drafting)) for d in range(1, top + 1)])
+            upper = [plain_rate]
+            for d, spread in enumerate(spreads, start=1):
+                slowest = seconds[d] + self.config.confidence * spread
+                upper.append(point[d] * seconds[d] / slowest if slowest > 0 else 0.0)
             best = max(range(top + 1), key=lambda d: upper[d])
         return best, (point[best] / plain_rate if plain_rate > 0 else float("inf"))
 
