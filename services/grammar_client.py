@@ -46,7 +46,7 @@ from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
 from services.grammar_session import HeldSession
-from services.grammar_stream import GrammarStreamError, SentRequest, StreamSlot, rpc_error
+from services.grammar_stream import GrammarStreamError, SentRequest, StreamSlot, mask_stream_slot, rpc_error
 from services.grpc_common import SERVICE_CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -190,16 +190,19 @@ class StreamedMasks:
 
 
 class GrammarClient:
-    """Blocking client. ``timeout_s`` bounds every call; FillMasks and Open add their own deadline to it."""
+    """Blocking client. ``timeout_s`` bounds every call; FillMasks and Open add their own deadline to it.
+    ``options``: the channel's (tests give a long reconnect backoff to hold a channel between attempts)."""
 
-    def __init__(self, target: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(
+        self, target: str, timeout_s: float = DEFAULT_TIMEOUT_S, options: Sequence[tuple[str, int]] = CHANNEL_OPTIONS
+    ) -> None:
+        self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.GrammarStub(self._channel)
         self._timeout_s = timeout_s
         # Two streams, because a FillMasks waiting at its fence holds up its stream: commits (and releases) must
         # not queue behind it, or the mask would wait for a commit stuck behind itself.
         self._commit_stream = StreamSlot(self._stub)
-        self._mask_stream = StreamSlot(self._stub)
+        self._mask_stream = mask_stream_slot(self._stub)
 
     def __enter__(self) -> GrammarClient:
         return self

@@ -33,7 +33,7 @@ class _CallStream:
     Replies are taken in the order their requests were sent; the reply of a request nobody takes (its step
     failed) is dropped when a later one is taken."""
 
-    def __init__(self, stub: pb_grpc.GrammarStub) -> None:
+    def __init__(self, stub: pb_grpc.GrammarStub, wait_for_ready: bool) -> None:
         self._outbox: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
         self._replies: queue.SimpleQueue[pb.StreamReply | GrammarStreamError] = queue.SimpleQueue()
         self._send_lock = threading.Lock()  # the outbox order is the numbering order
@@ -41,7 +41,7 @@ class _CallStream:
         self._sent = 0  # requests sent
         self._taken = 0  # replies read off the queue (taken or dropped)
         self._error: GrammarStreamError | None = None  # once the stream failed, every later receive says so
-        self._call = stub.Stream(outbox_messages(self._outbox))
+        self._call = stub.Stream(outbox_messages(self._outbox), wait_for_ready=wait_for_ready)
         self._reader = threading.Thread(target=self._read, name="ordinal-grammar-stream", daemon=True)
         self._reader.start()
 
@@ -98,10 +98,16 @@ class StreamSlot:
 
     Exchanges are serialized (any thread may call them). A request sent with :meth:`send` is received by its
     sender later, outside the slot's lock: a slot serves either such split requests of one thread (the executor's
-    masks) or exchanges, never both at once, since an exchange would take and drop a pending split reply."""
+    masks) or exchanges, never both at once, since an exchange would take and drop a pending split reply.
 
-    def __init__(self, stub: pb_grpc.GrammarStub) -> None:
+    ``wait_for_ready``: a new stream waits for its channel to connect (bounded by each request's reply deadline)
+    instead of failing at once while the channel is between reconnect attempts. The executor's mask streams use it
+    (:func:`mask_stream_slot`): their channel may still be in its reconnect backoff from an outage when the scheduler,
+    on its own channel, has already reached the restarted service and sends constrained work again."""
+
+    def __init__(self, stub: pb_grpc.GrammarStub, wait_for_ready: bool = False) -> None:
         self._stub = stub
+        self._wait_for_ready = wait_for_ready
         self._lock = threading.RLock()  # re-entered by an exchange whose receive fails and drops the stream
         self._stream: _CallStream | None = None
 
@@ -114,7 +120,7 @@ class StreamSlot:
         """Send ``request`` now; its reply, due within ``timeout_s`` from now, is taken from what this returns."""
         with self._lock:
             if self._stream is None:
-                self._stream = _CallStream(self._stub)
+                self._stream = _CallStream(self._stub, self._wait_for_ready)
             stream = self._stream
             number = stream.send(request)
         call = str(request.WhichOneof("call"))
@@ -132,6 +138,12 @@ class StreamSlot:
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
+
+
+def mask_stream_slot(stub: pb_grpc.GrammarStub) -> StreamSlot:
+    """The slot for the executor's mask requests (in process or in the mask relay): its streams wait for a
+    reconnecting channel within the mask's deadline (see :class:`StreamSlot`)."""
+    return StreamSlot(stub, wait_for_ready=True)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import grpc
 
 from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
-from services.grammar_stream import GrammarStreamError, SentRequest, StreamSlot
+from services.grammar_stream import GrammarStreamError, SentRequest, StreamSlot, mask_stream_slot
 from services.grpc_common import SERVICE_CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.warning("mask relay: cannot run on cores %s (%s); staying on the executor's", args.cpus, exc)
     sock = socket.socket(fileno=args.fd)
     channel = grpc.insecure_channel(args.grammar, options=SERVICE_CHANNEL_OPTIONS)
-    stream = StreamSlot(pb_grpc.GrammarStub(channel))
+    stream = mask_stream_slot(pb_grpc.GrammarStub(channel))
     try:
         relay(sock, stream)
     finally:

@@ -44,7 +44,13 @@ from protos import grammar_pb2 as pb
 from protos import grammar_pb2_grpc as pb_grpc
 from services.grammar import convert
 from services.grammar.server import SERVICE_NAME
-from services.grammar_client import MASK_REPLY_MARGIN_S, GrammarClient, GrammarStreamError, RemoteGrammar
+from services.grammar_client import (
+    CHANNEL_OPTIONS,
+    MASK_REPLY_MARGIN_S,
+    GrammarClient,
+    GrammarStreamError,
+    RemoteGrammar,
+)
 from tests.support.grammar_clients import AsyncGrammarClient
 from tests.support.servers import GrammarThread
 
@@ -710,6 +716,44 @@ def test_a_mask_of_a_service_that_stops_answering_fails_at_its_deadline(embedded
     finally:
         masks_client.close()
         served.stop()
+        compiler.shutdown()
+
+
+def test_a_mask_stream_waits_for_its_channel_to_reconnect_within_the_masks_deadline(embedded_model_dir: Path) -> None:
+    """After an outage the executor's channel to the grammar service (its own, or its mask relay's) may still be
+    between reconnect attempts when the scheduler, on another channel, has already reached the restarted service and
+    sends constrained work: the mask stream opened then waits for its channel, within the mask's reply deadline, and
+    gets its rows. Here the executor's channel is held in a 5 s backoff by a connect refused while the service is down.
+    Enforced by ``wait_for_ready=True`` in mask_stream_slot (services/grammar_stream.py); without it the mask call
+    fails at once with GrammarStreamError "grammar stream failed: UNAVAILABLE: failed to connect ..." (the flake
+    the relay's restart test in tests/e2e/test_grammar_failure.py showed once in three CI runs)."""
+    compiler = ConstraintCompiler.from_model_dir(embedded_model_dir)
+    gone = GrammarThread(compiler)
+    port = gone.port
+    gone.stop()
+    target = f"127.0.0.1:{port}"
+    backoff = tuple(o for o in CHANNEL_OPTIONS if "reconnect_backoff" not in o[0]) + tuple(
+        (f"grpc.{name}_reconnect_backoff_ms", 5_000) for name in ("initial", "min", "max")
+    )
+    masks_client = GrammarClient(target, timeout_s=WAIT_S, options=backoff)  # the executor's channel
+    served: GrammarThread | None = None
+    out = torch.zeros((1, compiler.words_per_row), dtype=torch.int32)  # [1, W]
+    try:
+        refused = time.monotonic()
+        with pytest.raises(grpc.FutureTimeoutError):
+            masks_client.wait_ready(0.3)  # the connect is refused: the channel waits 5 s before the next attempt
+        served = GrammarThread(compiler, port=port)
+        with GrammarClient(target, timeout_s=WAIT_S) as client:  # the scheduler's channel: connects at once
+            [opened] = client.open([("back", Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA))])
+            assert opened.ok
+            assert time.monotonic() - refused < 4.0  # the mask goes out inside the executor channel's backoff
+            assert masks_client.stream_fill_masks_into([MaskEntry("back", 0)], 8.0, out, [0]) == {}
+            assert bool((out != 0).any())
+            assert client.release(["back"]) == [None]
+    finally:
+        masks_client.close()
+        if served is not None:
+            served.stop()
         compiler.shutdown()
 
 
