@@ -245,6 +245,23 @@ def add_switch(group: argparse._ArgumentGroup, flag: str, default: bool, text: s
 
 
 SPEC_ALGORITHMS = ("draft", "ngram")  # engine.config.SpecAlgorithm's values but none (no engine import)
+# SGLang's spellings: its names are upper case, and its draft-model algorithm is STANDALONE.
+_SPEC_ALIASES = {"standalone": "draft"}
+_SPEC_NOT_BUILT = ("eagle", "eagle3", "nextn", "medusa", "lookahead")
+
+
+def spec_algorithm(text: str) -> str:
+    """``--speculative-algorithm``'s value: ``draft`` or ``ngram``, in any case, SGLang's ``STANDALONE`` for
+    ``draft``; EAGLE-style heads (which read the target's hidden states) are refused by name."""
+    name = _SPEC_ALIASES.get(text.lower(), text.lower())
+    if name in SPEC_ALGORITHMS:
+        return name
+    if name in _SPEC_NOT_BUILT:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not available: ordinal drafts with a separate draft model (draft, SGLang's STANDALONE) or "
+            "n-gram prompt lookup (ngram); heads that read the target's hidden states (EAGLE, NEXTN) are not built"
+        )
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of draft, ngram (or SGLang's STANDALONE, NGRAM)")
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -253,7 +270,8 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding (executor and scheduler must agree)")
     spec.add_argument(
         "--speculative-algorithm",
-        choices=SPEC_ALGORITHMS,
+        type=spec_algorithm,
+        metavar="{draft,ngram}",
         default=None,
         help="draft: a smaller model sharing the tokenizer drafts tokens; ngram: prompt lookup (what followed the "
         "longest matching suffix earlier in the request); default: off",

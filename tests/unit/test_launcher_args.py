@@ -122,6 +122,22 @@ def test_speculative_flags_round_trip_the_draft_grammar_option_included() -> Non
     assert engine_config(args).speculative == engine_config(again).speculative == want
 
 
+def test_speculative_algorithm_takes_sglangs_spellings_and_refuses_heads_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SGLang's names work as they do there (upper case; STANDALONE is its draft-model algorithm); an algorithm ordinal
+    does not build (EAGLE) is refused at start, saying what is available, as is a misspelling."""
+    parser = _engine_parser()
+    for given, algorithm in (("NGRAM", SpecAlgorithm.NGRAM), ("STANDALONE", SpecAlgorithm.DRAFT)):
+        args = parser.parse_args(["--model", "/m", "--speculative-algorithm", given])
+        assert engine_config(args).speculative.algorithm is algorithm
+        assert engine_argv(args)[engine_argv(args).index("--speculative-algorithm") + 1] == algorithm.value
+    for given, says in (("EAGLE3", "heads that read the target's hidden states"), ("ngrams", "is not one of draft")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--model", "/m", "--speculative-algorithm", given])
+        assert says in capsys.readouterr().err
+
+
 def test_drafting_under_the_grammar_without_a_draft_model_is_refused() -> None:
     """--speculative-draft-grammar on applies to the draft model only: with n-gram (or no speculation) it would do
     nothing, so it is refused at start with the flag to add, not silently ignored."""
