@@ -12,7 +12,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
 from engine.kv.pool import KVPool
 from engine.model.attention import TorchAttention
@@ -21,11 +20,26 @@ from engine.model.config import ModelConfig, RopeScaling
 from engine.model.forward_batch import ForwardBatch
 
 
+class _Linear(nn.Linear):
+    """An ``nn.Linear`` whose parameters stay as allocated: the loader overwrites them. A random init would cost
+    seconds on a large model, and torch's ``skip_init`` (built on the meta device) costs a second and a half at the
+    first model a process builds, however small (its meta-device init imports torch's Python reference kernels)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class _Embedding(nn.Embedding):
+    """An ``nn.Embedding`` left as allocated, for the same reason as :class:`_Linear`."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 def _linear(
     in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
 ) -> nn.Linear:
-    # Weights are overwritten by the loader; skipping random init saves seconds on large models.
-    return skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+    return _Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
 
 
 class RMSNorm(nn.Module):
@@ -172,7 +186,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         layers = (LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
