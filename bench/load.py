@@ -252,7 +252,10 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 def _start(cmd: list[str], env: dict[str, str], cores: frozenset[int] | None = None) -> subprocess.Popen[str]:
     # Set before exec: every thread the service starts inherits it.
     pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=pin)
+    # Through services/parent_death.py (the same pid once it execs): a bench killed by a signal, even SIGKILL,
+    # leaves no service running; its context managers stop them only on a normal exit or an exception.
+    dies_with_bench = [sys.executable, "-m", "services.parent_death", str(os.getpid()), *cmd]
+    return subprocess.Popen(dies_with_bench, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=pin)
 
 
 def _ready_port(proc: subprocess.Popen[str], marker: str, timeout: float = 180.0) -> int:
