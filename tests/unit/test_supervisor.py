@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from services import parent_death
 from services.supervisor import Child, RestartHistory, RestartPolicy, StopSignal, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,9 +207,13 @@ def test_children_die_with_a_launcher_killed_outright() -> None:
 
 
 def test_a_child_whose_parent_is_already_gone_is_not_run(tmp_path: Path) -> None:
-    """The parent died before the setting took effect (this process is not pid 1's child): nothing is exec'd."""
+    """The parent died before the setting took effect (the wrapper is told its parent is pid 1; its real parent is
+    this process): nothing is exec'd. Run as its own process: called in the test's process, the setting would stay on
+    pytest, and where pytest's parent is pid 1 (a detached run) the wrapper would exec the command in its place."""
     marker = tmp_path / "ran"
-    assert parent_death.main(["1", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]) == 1
+    command = [sys.executable, "-m", "services.parent_death", "1", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 1, done.stderr
     assert not marker.exists()
 
 
