@@ -174,7 +174,7 @@ DRAFT_SPEC = EmbeddedSpec(
     num_attention_heads=4,
     num_key_value_heads=2,
     weights_file="ordinal-embedded-draft.safetensors",
-    weights_sha256="2939585c8e60d0e7a97597d396aafc7bcbf32b41d792d8dde0cecf1e8b1e9d50",
+    weights_sha256="f6d1587af296e734c3e5ace54b8655a7e93d3c9c41ed7a866374811e348224df",
 )
 
 
