@@ -10,7 +10,10 @@ One propose call runs ``max depth`` draft forwards over every drafted request at
 request's catch-up run (ending with its pending token), each later one the token chosen at the depth before. At
 every depth the request's draft continues with one token (the spine) and, for a tree (``topk > 1``), gets the
 next most likely tokens as siblings of it, leaves in the verify tree. A greedy or seeded request's spine is the
-draft's argmax: the verify then reproduces plain decoding exactly (engine/executor/verify.py). Any other sampled
+draft's argmax: the verify then reproduces plain decoding exactly (engine/executor/verify.py). With ``min_prob``
+(``--speculative-draft-min-prob``) a draft ends after its first spine token the draft gives less than that probability
+(that depth's siblings still drafted): past a token the draft is unsure of, its next ones are rarely accepted and each
+costs a verify row, so deeper drafts pay where the draft is sure. Any other sampled
 request's spine is drawn from the draft's own distribution (after the request's temperature, top-k, top-p,
 min-p), which is returned as ``q`` for the rejection rule; siblings are chosen deterministically (one-hot ``q``).
 
@@ -76,7 +79,7 @@ class _Growing:
     q_rows: list[torch.Tensor | int] = field(default_factory=list)  # a distribution [V], or a one-hot token
     spine: list[int] = field(default_factory=list)  # node index of the spine token at each depth
     siblings_left: int = 0
-    ended: bool = False  # a depth's mask allowed nothing: the draft ends before it
+    ended: bool = False  # a depth's mask allowed nothing, or the draft was unsure of its last spine token: it ends
     unmasked: bool = False  # its grammar's mask could not be had: no draft this step
 
     @property
@@ -106,10 +109,17 @@ class DraftModelProposer:
     constrained requests under their grammars."""
 
     def __init__(
-        self, model: LlamaForCausalLM, kv: KVPool, vocab_size: int, max_context: int, masks: DraftMasks | None = None
+        self,
+        model: LlamaForCausalLM,
+        kv: KVPool,
+        vocab_size: int,
+        max_context: int,
+        masks: DraftMasks | None = None,
+        min_prob: float = 0.0,
     ) -> None:
         self._model = model
         self._masks = masks
+        self._min_prob = min_prob  # a draft ends after a spine token the draft gives less (SpeculativeConfig)
         self._kv = kv
         self._vocab_size = vocab_size
         self._max_context = max_context
@@ -121,7 +131,7 @@ class DraftModelProposer:
 
     @classmethod
     def load(
-        cls, path: Path, config: EngineConfig, info: ModelInfo, masks: DraftMasks | None = None
+        cls, path: Path, config: EngineConfig, info: ModelInfo, masks: DraftMasks | None = None, min_prob: float = 0.0
     ) -> DraftModelProposer:
         device = torch.device(config.device)
         model, model_config = load_model(path, config.torch_dtype, device)
@@ -139,7 +149,7 @@ class DraftModelProposer:
             config.torch_dtype,
             device,
         )
-        return cls(model, kv, info.vocab_size, model_config.max_position_embeddings, masks)
+        return cls(model, kv, info.vocab_size, model_config.max_position_embeddings, masks, min_prob)
 
     # ------------------------------------------------------------ Proposer
 
@@ -197,7 +207,7 @@ class DraftModelProposer:
         assert self._chain is not None
         pairs = zip(live, seqs, strict=True)
         rows = [ChainRow(seq.token_ids, seq.start_pos, g.request.pages, g.depth) for g, seq in pairs]
-        chosen = self._chain.run(rows).tokens
+        chosen = self._chain.run(rows, min_prob=self._min_prob).tokens
         for g, tokens in zip(live, chosen, strict=True):
             self._slots[g.request.slot].fed.extend(tokens[:-1])  # the chain fed all but its last token
             for token in tokens:
@@ -307,6 +317,7 @@ class DraftModelProposer:
             noise = torch.stack([self._sampler.noise(gen) for gen in generators if gen is not None])  # [S, V]
             spine[rows] = race(probs, noise)
         ranked = self._ranked(raw, max(g.request.topk for g in live), bitmask is not None)
+        unsure = self._unsure(raw, spine, sampled, probs)
         spine_ids = spine.tolist()
         row_of = {i: k for k, i in enumerate(sampled)}
         for i, g in enumerate(live):
@@ -316,6 +327,20 @@ class DraftModelProposer:
             if probs is not None and i in row_of:
                 q_row = probs[row_of[i]]
             self._grow(g, spine_ids[i], q_row, ranked[i] if ranked is not None else ())
+            g.ended = g.ended or unsure[i]  # this depth (its siblings too) is drafted, the next ones are not
+
+    def _unsure(
+        self, raw: torch.Tensor, spine: torch.Tensor, sampled: list[int], probs: torch.Tensor | None
+    ) -> list[bool]:
+        """Per row of ``raw`` [B, V], whether the draft gives its spine token ``spine`` [B] less than ``min_prob``:
+        under its own logits (an argmax spine), or the distribution it was drawn from (rows ``sampled``, ``probs``)."""
+        if self._min_prob <= 0.0:
+            return [False] * raw.shape[0]
+        p = raw.softmax(dim=-1).gather(1, spine.unsqueeze(1)).squeeze(1)  # [B]
+        if probs is not None:
+            rows = torch.tensor(sampled, dtype=torch.long, device=raw.device)  # [S]
+            p[rows] = probs.gather(1, spine[rows].unsqueeze(1)).squeeze(1)
+        return (p < self._min_prob).tolist()
 
     def _ranked(self, x: torch.Tensor, width: int, masked: bool) -> list[list[int]] | None:
         """Per row of ``x`` [B, V] its ``width + 1`` most likely tokens, best first, without banned ones (-inf) when

@@ -22,9 +22,12 @@
  *     down [hidden over inter], down_bias, k_pool, v_pool [slots, Hkv, D], then the layer's sliding window (0: none)
  *   feed_tokens [sum of feeds] int64, feed_offsets [B + 1] int64: row b feeds feed_tokens[off[b] .. off[b + 1])
  *     at positions start_pos[b] ..; page_tables [B, P] int64; depths [B] int64 (>= 1)
- *   out_tokens [B, max_depth] int64: row b's chain in out_tokens[b, 0 .. depths[b]); out_logits, when not NULL,
- *     [B, max_depth, vocab]: the logits each chain token was chosen from (tests compare them with torch's).
- * max_depth forwards: the first runs every row's feed tokens (a catch-up is one batched forward, like a prefill
+ *   out_tokens [B, max_depth] int64: row b's chain in out_tokens[b, 0 .. out_lengths[b]); out_lengths [B] int64;
+ *     out_logits, when not NULL, [B, max_depth, vocab]: the logits each chain token was chosen from (tests compare
+ *     them with torch's).
+ * min_prob: a chain ends after its first token whose softmax probability is below it (the draft unsure there: the
+ *   tokens after it would rarely be accepted, and each costs a verify row); 0 drafts every row to its depth.
+ * Up to max_depth forwards: the first runs every row's feed tokens (a catch-up is one batched forward, like a prefill
  * chunk), each later one every unfinished chain's last token; each token's KV is written at its position before its
  * attention reads the row's keys.
  */
@@ -165,6 +168,19 @@ static int64_t argmax(const float *x, int64_t n) {
     return best;
 }
 
+/* Whether softmax(x)[best] < min_prob, x[best] being the maximum: sum(exp(x - x[best])) > 1 / min_prob. The sum
+ * stops once past the bound, so an unsure row costs less than a sure one. */
+static int unsure(const float *x, int64_t n, int64_t best, float min_prob) {
+    if (min_prob <= 0.0f) return 0;
+    const float top = x[best], bound = 1.0f / min_prob;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        sum += expf(x[i] - top);
+        if (sum > bound) return 1;
+    }
+    return 0;
+}
+
 static void *take(float **cursor, int64_t count) {
     float *p = *cursor;
     *cursor += count;
@@ -175,8 +191,8 @@ static void *take(float **cursor, int64_t count) {
 int ordinal_draft_chain(const float *embed, const void *lm_head, const float *final_norm, const float *cos,
                         const float *sin, const int64_t *layers, const int64_t *dims, float eps, int64_t batch,
                         const int64_t *feed_tokens, const int64_t *feed_offsets, const int64_t *start_pos,
-                        const int64_t *page_tables, const int64_t *depths, int64_t max_depth, int64_t *out_tokens,
-                        float *out_logits) {
+                        const int64_t *page_tables, const int64_t *depths, int64_t max_depth, float min_prob,
+                        int64_t *out_tokens, int64_t *out_lengths, float *out_logits) {
     /* dims: hidden, inter, heads, kv_heads, head_dim, num_layers, model_vocab, vocab, page_size, bf16,
      * pages_per_seq, threads */
     const Model m = {.hidden = dims[0],
@@ -219,6 +235,7 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
                        take(&cursor, rows * hid),         take(&cursor, batch * m.model_vocab),
                        take(&cursor, m.threads * attend_scratch)};
     int64_t *tok = ints, *pos = tok + rows, *row = pos + rows;
+    for (int64_t b = 0; b < batch; ++b) out_lengths[b] = depths[b]; /* shortened where the draft is unsure */
 
     for (int64_t t = 0; t < max_depth; ++t) {
         /* Forward t: first every row's feed run (a sequence's tokens in position order, so each one's attention
@@ -232,12 +249,13 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
                     pos[n] = start_pos[b] + j;
                     row[n] = b;
                 }
-            } else if (t < depths[b]) {
+            } else if (t < out_lengths[b]) {
                 tok[n] = out_tokens[b * max_depth + t - 1];
                 pos[n] = start_pos[b] + feed + t - 1;
                 row[n++] = b;
             }
         }
+        if (n == 0) break; /* every chain ended early */
         forward(&m, n, tok, pos, row, page_tables, &s);
         /* Each row's last token of this forward chooses its next chain token: final norm, lm_head, argmax. */
         int64_t chosen = 0;
@@ -250,7 +268,9 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
         for (int64_t c = 0; c < chosen; ++c) {
             const int64_t b = row[c];
             const float *logits = s.logits + c * m.model_vocab;
-            out_tokens[b * max_depth + t] = argmax(logits, m.vocab);
+            const int64_t best = argmax(logits, m.vocab);
+            out_tokens[b * max_depth + t] = best;
+            if (t + 1 < out_lengths[b] && unsure(logits, m.vocab, best, min_prob)) out_lengths[b] = t + 1;
             if (out_logits != NULL) {
                 float *dst = out_logits + (b * max_depth + t) * m.vocab;
                 for (int64_t i = 0; i < m.vocab; ++i) dst[i] = logits[i];

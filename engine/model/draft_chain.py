@@ -49,7 +49,8 @@ class ChainRow:
 
 @dataclass(frozen=True)
 class ChainResult:
-    """Each row's chosen tokens (``depth`` of them), and with ``keep_logits`` the rows they were chosen from."""
+    """Each row's chosen tokens (``depth`` of them, fewer where a ``min_prob`` ended the chain), and with
+    ``keep_logits`` the rows they were chosen from."""
 
     tokens: list[list[int]]
     logits: torch.Tensor | None  # [B, max depth, V]
@@ -104,10 +105,11 @@ class DraftChain:
         kernel = draft_chain_kernel()
         return None if kernel is None else cls(model, kv, vocab_size, kernel)
 
-    def run(self, rows: Sequence[ChainRow], keep_logits: bool = False) -> ChainResult:
-        """Every row's chain, the draft KV of each fed position written. Raises ValueError, before anything is
-        written, for a row that is empty, has depth < 1, runs past the model's positions or its pages, or names a
-        page outside the pool."""
+    def run(self, rows: Sequence[ChainRow], keep_logits: bool = False, min_prob: float = 0.0) -> ChainResult:
+        """Every row's chain, the draft KV of each fed position written; with ``min_prob`` a chain ends after its
+        first token the draft gives less than that probability (its other tokens' KV is then not written). Raises
+        ValueError, before anything is written, for a row that is empty, has depth < 1, runs past the model's
+        positions or its pages, or names a page outside the pool."""
         self._check(rows)
         batch, max_depth = len(rows), max(row.depth for row in rows)
         pages_per_seq = max(-(-(row.last_position + 1) // self._kv.page_size) for row in rows)
@@ -131,6 +133,7 @@ class DraftChain:
             dtype=torch.int64,
         )  # [B + 1 | B | B | dims, P, threads]
         out = torch.zeros(batch, max_depth, dtype=torch.int64)  # [B, K]
+        lengths = torch.zeros(batch, dtype=torch.int64)  # [B]: each chain's tokens, its depth or fewer
         logits = torch.zeros(batch, max_depth, self._vocab_size) if keep_logits else None  # [B, K, V], 0 past a depth
         base = ints.data_ptr()
         step = ints.element_size()
@@ -150,13 +153,15 @@ class DraftChain:
             tables.data_ptr(),
             base + step * (2 * batch + 1),  # depths
             max_depth,
+            min_prob,
             out.data_ptr(),
+            lengths.data_ptr(),
             logits.data_ptr() if logits is not None else None,
         )
         if status != 0:
             raise MemoryError("draft chain kernel could not allocate its scratch buffers")
         tokens = out.tolist()
-        return ChainResult([tokens[b][: row.depth] for b, row in enumerate(rows)], logits)
+        return ChainResult([tokens[b][:length] for b, length in enumerate(lengths.tolist())], logits)
 
     def _check(self, rows: Sequence[ChainRow]) -> None:
         # The kernel indexes the pool and the rope tables with these: a bad one would be a silent stray write in C.

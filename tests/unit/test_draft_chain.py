@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from engine.executor.draft_model import DraftModelProposer
 from engine.executor.proposer import DraftRequest
 from engine.executor.sampler import SamplingState
+from engine.grammar_calls import DraftTree
 from engine.kv.pool import KVPool
 from engine.model.draft_chain import ChainRow, DraftChain
 from engine.model.forward_batch import ForwardBatch, LogitsMode, SeqInput
@@ -152,6 +153,37 @@ def test_chains_match_the_torch_forward(model: LlamaForCausalLM) -> None:
     assert chain._bf16 == bool(torch.equal(model.lm_head.weight, model.lm_head.weight.to(torch.bfloat16).float()))
 
 
+def test_a_chain_ends_after_its_first_token_the_draft_is_unsure_of(model: LlamaForCausalLM) -> None:
+    """``min_prob``: three rows of depth 6 run once to their depth (the reference, with its logits), then with a bar
+    among their tokens' probabilities: each row is the reference's first tokens, up to and including
+    the first whose softmax probability is below the bar (some rows end early, some run to their depth); with a bar
+    no token reaches, every chain is its first token alone (and the kernel stops after one forward). Fails if the
+    kernel ignores ``min_prob``, ends a chain before its unsure token or after it, or checks the probability of
+    another token than the chosen one."""
+    chain = DraftChain.build(model, _pool(model), VOCAB)
+    assert chain is not None
+    tables = [list(range(b * 8, b * 8 + 8)) for b in range(3)]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 5)]
+    _prefill(model, [chain._kv], prompts, tables)
+    rows = [ChainRow([rng.randrange(VOCAB)], len(p), t, 6) for p, t in zip(prompts, tables, strict=True)]
+    full = chain.run(rows, keep_logits=True)
+    assert full.logits is not None
+    probs = full.logits.softmax(dim=-1).max(dim=-1).values  # [B, 6]: each chain token's probability
+    # The bar: between the likeliest first token and the next probability below it, so one chain goes on past its
+    # first token and some chain ends early; no token sits on it (the kernel's sums round otherwise than torch's).
+    top = float(probs[:, 0].max())
+    bar = (top + float(probs[probs < top].max())) / 2
+    short = chain.run(rows, min_prob=bar)
+    lengths = []
+    for b, tokens in enumerate(full.tokens):
+        unsure = [t for t in range(6) if float(probs[b, t]) < bar]
+        lengths.append(unsure[0] + 1 if unsure else 6)
+        assert short.tokens[b] == tokens[: lengths[-1]], b
+    assert min(lengths) < 6 and max(lengths) > 1, lengths  # the case is not trivial
+    assert chain.run(rows, min_prob=0.999).tokens == [tokens[:1] for tokens in full.tokens]
+
+
 def test_rows_outside_their_pages_or_the_model_are_refused_before_anything_is_written(
     model: LlamaForCausalLM,
 ) -> None:
@@ -195,8 +227,9 @@ def _request(
     return DraftRequest(slot, tokens, len(tokens) - 1, pages, nodes, depth, topk, state)
 
 
+@pytest.mark.parametrize("min_prob", [0.0, 0.06], ids=["full-depth", "min-prob"])
 def test_the_proposer_drafts_the_same_chains_natively_and_on_torch(
-    model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+    model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, min_prob: float
 ) -> None:
     """Two proposers over the same model, one native, one with ``ORDINAL_NATIVE=0``, drive two greedy chains, a
     greedy tree and a sampled chain (the last two drafted a depth at a time: siblings from the ranked row, a spine
@@ -205,19 +238,23 @@ def test_the_proposer_drafts_the_same_chains_natively_and_on_torch(
     a correction, or a whole prompt the first time). Every step's drafts are equal, as are the pools' K/V, and so is
     every catch-up (start and length). Fails if the native path's bookkeeping of what the draft KV holds (``fed``)
     differs from the torch path's (without it each catch-up re-feeds the accepted drafts), if a depth-at-a-time
-    forward's logits differ from torch's, or if the proposer sends a sampled request to the native argmax."""
+    forward's logits differ from torch's, or if the proposer sends a sampled request to the native argmax. With
+    ``min_prob`` (about these random models' median token probability) every draft ends after its first spine token
+    the draft gives less, natively or not (the tree's siblings at that depth drafted too): fails if either path ends
+    its drafts elsewhere, or (the native path) keeps the wrong tokens of what the draft KV holds."""
     c = model.config
     draft_pages = NUM_PAGES // 4
 
     def proposer() -> DraftModelProposer:
         kv = KVPool(c.num_layers, NUM_PAGES, PAGE_SIZE, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-        return DraftModelProposer(model, kv, VOCAB, c.max_position_embeddings)
+        return DraftModelProposer(model, kv, VOCAB, c.max_position_embeddings, min_prob=min_prob)
 
     native = proposer()
     monkeypatch.setenv(NATIVE_ENV, "0")
     plain = proposer()
     monkeypatch.delenv(NATIVE_ENV)
     assert native._chain is not None and plain._chain is None
+    ended = 0  # drafts with fewer spine tokens than their depth
     fed: dict[str, list[tuple[int, int]]] = {"native": [], "plain": []}  # each catch-up's (start, length)
     for name, p in (("native", native), ("plain", plain)):
         catch_up = p._catch_up
@@ -238,11 +275,20 @@ def test_the_proposer_drafts_the_same_chains_natively_and_on_torch(
         ]
         drafts = native.propose(requests)
         assert [d.tree for d in drafts] == [d.tree for d in plain.propose(requests)], f"step {step}"
+        ended += sum(_depth(d.tree) < r.max_depth for d, r in zip(drafts, requests, strict=True))
         for history, draft in zip(histories, drafts, strict=True):
             kept = rng.randint(0, len(draft.tree.tokens))
             history.extend([*draft.tree.tokens[:kept], rng.randrange(VOCAB)])  # accepted, then a new pending
     assert torch.allclose(native._kv._buffer, plain._kv._buffer, atol=1e-5, rtol=1e-4)
     assert fed["native"] == fed["plain"]  # the same catch-ups: only what the draft KV does not hold yet
+    assert (ended > 0) == (min_prob > 0), ended
+
+
+def _depth(tree: DraftTree) -> int:
+    depths: list[int] = []
+    for parent in tree.parents:  # parents come before their children
+        depths.append(1 + (depths[parent] if parent >= 0 else 0))
+    return max(depths, default=0)
 
 
 @pytest.mark.parametrize("changed", [path.name for path in DRAFT_CHAIN_INCLUDES])
@@ -285,9 +331,9 @@ def test_catch_ups_past_the_native_budget_take_the_torch_forward(
     calls: list[int] = []
     run = chain.run
 
-    def spy(rows: list[ChainRow], keep_logits: bool = False) -> Any:
+    def spy(rows: list[ChainRow], keep_logits: bool = False, min_prob: float = 0.0) -> Any:
         calls.append(sum(len(row.feed) for row in rows))
-        return run(rows, keep_logits)
+        return run(rows, keep_logits, min_prob)
 
     monkeypatch.setattr(chain, "run", spy)
     rng = random.Random(2)
