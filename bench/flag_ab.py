@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--min-requests", type=int, default=12)
     args = parser.parse_args()
-    args.steps, args.topk = 4, 1  # bench/spec.py's n-gram defaults
+    args.steps, args.topk, args.draft_min_prob = 4, 1, None  # bench/spec.py's n-gram defaults
     cores = Cores.split()
     if cores is not None:
         os.sched_setaffinity(0, cores.rest)

@@ -64,7 +64,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.load import Cores, Job, SpawnedStack, run_grpc, spawned_stack
-from engine.config import EngineConfig
+from engine.config import DEFAULT_NUM_STEPS, EngineConfig, SpecAlgorithm
 from engine.constraint import Constraint, ConstraintKind
 from engine.executor.proposers import draft_dir
 from engine.grammar import ConstraintCompiler
@@ -258,10 +258,14 @@ def mode_flags(
     if not overlap:
         flags.append("--no-overlap")
     if algorithm is not None:
-        flags += ["--speculative-algorithm", algorithm, "--speculative-num-steps", str(args.steps)]
+        flags += ["--speculative-algorithm", algorithm]
+        if args.steps:
+            flags += ["--speculative-num-steps", str(args.steps)]
         flags += ["--speculative-eagle-topk", str(args.topk), "--speculative-adaptive", "on" if adaptive else "off"]
         if draft is not None:
             flags += ["--speculative-draft-model-path", str(draft)]
+        if args.draft_min_prob is not None:
+            flags += ["--speculative-draft-min-prob", str(args.draft_min_prob)]
     return flags
 
 
@@ -382,7 +386,7 @@ def draft_ceiling(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
     assert draft is not None
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     drafter = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
-    depths = range(1, args.steps + 1)
+    depths = range(1, (args.steps or DEFAULT_NUM_STEPS[SpecAlgorithm.DRAFT]) + 1)
     print("\ndraft model's ceiling (top-1 agreement with the target's greedy text; tokens per verify of a chain):")
     for kind in ("repeating", "fresh"):
         jobs = prompts(tokenizer, kind, len(_REPEATING if kind == "repeating" else _FRESH) * 3, args.max_new)
@@ -460,8 +464,11 @@ def main() -> None:
     parser.add_argument("--algorithms", nargs="+", default=["draft", "ngram"], choices=["draft", "ngram"])
     parser.add_argument("--target", default=None, help="target checkpoint (default: the embedded model)")
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: the embedded draft)")
-    parser.add_argument("--steps", type=int, default=4, help="--speculative-num-steps")
+    parser.add_argument("--steps", type=int, default=0, help="--speculative-num-steps (default: the algorithm's)")
     parser.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk")
+    parser.add_argument(
+        "--draft-min-prob", type=float, default=None, help="--speculative-draft-min-prob (default: the engine's)"
+    )
     parser.add_argument(
         "--rounds", type=int, default=3, help="segments of each workload, each run on every mode in turn"
     )
@@ -489,7 +496,7 @@ def main() -> None:
         print(f"\nunder grammar (regex {GRAMMAR_REGEX!r}), repeating prompts")
         print(_GRAMMAR_HEADER, flush=True)
         bench_grammar(args, tokenizer)
-        traversal_per_node(target, tokenizer, args.steps)
+        traversal_per_node(target, tokenizer, args.steps or DEFAULT_NUM_STEPS[SpecAlgorithm.DRAFT])
 
 
 if __name__ == "__main__":

@@ -283,7 +283,10 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         help="the draft checkpoint (default: the embedded draft, when serving the embedded model)",
     )
     spec.add_argument(
-        "--speculative-num-steps", type=int, default=defaults.num_steps, help="draft depth: tokens drafted per step"
+        "--speculative-num-steps",
+        type=int,
+        default=0,
+        help="draft depth: tokens drafted per step at most (default 0: the algorithm's, 6 for draft, 4 for ngram)",
     )
     spec.add_argument(
         "--speculative-eagle-topk",
@@ -313,6 +316,14 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         "for the previous step's commit); off: it drafts unmasked and only the verify is masked. The output is the "
         "same either way. Needs --speculative-algorithm draft",
     )
+    spec.add_argument(
+        "--speculative-draft-min-prob",
+        type=float,
+        default=defaults.draft_min_prob,
+        help="a draft model's draft ends after its first token it gives less than this probability (Hugging Face's "
+        "assistant_confidence_threshold): fewer verify rows for tokens that would be rejected, so deeper drafts pay; "
+        "0 drafts to the full depth. In [0, 1); the output is the same either way",
+    )
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
@@ -328,6 +339,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
             num_draft_tokens=args.speculative_num_draft_tokens or 0,
             adaptive=args.speculative_adaptive == "on",
             draft_grammar=args.speculative_draft_grammar == "on",
+            draft_min_prob=args.speculative_draft_min_prob,
         )
     except ValueError as error:
         raise SystemExit(f"ordinal: {error}") from error
@@ -391,6 +403,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--speculative-eagle-topk", str(args.speculative_eagle_topk)]
         argv += ["--speculative-adaptive", args.speculative_adaptive]
         argv += ["--speculative-draft-grammar", args.speculative_draft_grammar]
+        argv += ["--speculative-draft-min-prob", str(args.speculative_draft_min_prob)]
         if args.speculative_draft_model_path:
             argv += ["--speculative-draft-model-path", args.speculative_draft_model_path]
         if args.speculative_num_draft_tokens:

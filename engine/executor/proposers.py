@@ -25,7 +25,7 @@ def load_proposer(
     if spec.algorithm is SpecAlgorithm.NONE:
         return None
     if spec.algorithm is SpecAlgorithm.DRAFT:
-        return DraftModelProposer.load(draft_dir(config), config, info, masks)
+        return DraftModelProposer.load(draft_dir(config), config, info, masks, spec.draft_min_prob)
     return NgramProposer(NgramConfig())
 
 

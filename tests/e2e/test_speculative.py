@@ -119,11 +119,13 @@ def _same(outs: list[RequestOutput], plain: list[RequestOutput]) -> None:
 
 
 CONFIGS = {
+    # The draft model's chains end after a token it gives less than 0.6 (draft_min_prob's default), or not at all.
     "draft chain": SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=4, adaptive=False),
+    "draft chain, every depth": SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=4, adaptive=False, draft_min_prob=0),
     "draft tree": SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=3, topk=3, adaptive=False),
     "ngram chain": SpeculativeConfig(SpecAlgorithm.NGRAM, num_steps=5, adaptive=False),
     "ngram tree": SpeculativeConfig(SpecAlgorithm.NGRAM, num_steps=4, topk=2, adaptive=False),
-    "draft chain, adaptive": SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=4),
+    "draft chain, adaptive (the defaults)": SpeculativeConfig(SpecAlgorithm.DRAFT),
 }
 
 

@@ -115,11 +115,32 @@ def test_speculative_flags_round_trip_the_draft_grammar_option_included() -> Non
     assert engine_config(parser.parse_args([])).speculative.draft_grammar is False
     flags = ["--model", "/m", "--speculative-algorithm", "draft", "--speculative-draft-model-path", "/d"]
     flags += ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-adaptive", "off"]
-    flags += ["--speculative-draft-grammar", "on"]
+    flags += ["--speculative-draft-grammar", "on", "--speculative-draft-min-prob", "0.3"]
     args = parser.parse_args(flags)
     again = parser.parse_args(["--model", "/m", *engine_argv(args)])
-    want = SpeculativeConfig(SpecAlgorithm.DRAFT, "/d", num_steps=3, topk=2, adaptive=False, draft_grammar=True)
+    want = SpeculativeConfig(
+        SpecAlgorithm.DRAFT, "/d", num_steps=3, topk=2, adaptive=False, draft_grammar=True, draft_min_prob=0.3
+    )
     assert engine_config(args).speculative == engine_config(again).speculative == want
+
+
+def test_the_draft_depth_defaults_per_algorithm_and_the_draft_bar_is_checked() -> None:
+    """Without --speculative-num-steps a draft model drafts up to 6 tokens (its chains end where it is unsure, at the
+    default bar of 0.6) and n-gram lookup 4; a given depth is kept, and passed on to the other service as resolved.
+    A bar outside [0, 1) is refused at start, naming the flag's value."""
+    parser = _engine_parser()
+    for algorithm, depth in (("draft", 6), ("ngram", 4)):
+        args = parser.parse_args(["--model", "/m", "--speculative-algorithm", algorithm])
+        spec = engine_config(args).speculative
+        assert (spec.num_steps, spec.draft_min_prob) == (depth, 0.6)
+        again = parser.parse_args(["--model", "/m", *engine_argv(args)])
+        assert engine_config(again).speculative == spec
+    for bar in ("1.0", "-0.1"):
+        args = parser.parse_args(
+            ["--model", "/m", "--speculative-algorithm", "draft", "--speculative-draft-min-prob", bar]
+        )
+        with pytest.raises(SystemExit, match=f"draft_min_prob must be in \\[0, 1\\), got {float(bar)}"):
+            engine_config(args)
 
 
 def test_speculative_algorithm_takes_sglangs_spellings_and_refuses_heads_by_name(
