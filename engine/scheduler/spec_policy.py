@@ -55,6 +55,18 @@ a large batch costs several plain ones (depth 1 every other time while all draft
 tell a draft's call from its depths until it has seen two). Until the cost model has seen two different step sizes
 it alternates the full depth and none.
 
+A young request's acceptance rests on its first few verifies, and a request decoding plainly gets no verify that
+would correct it: two or three failed first tokens in a row (common where α_1 is 0.35-0.45, as for the embedded draft
+on the bench's repeating prompts) put a request below break-even for the rest of its length. So the depth is chosen
+with each α optimistic by ``optimism`` standard errors of its estimate, √(α(1 - α) / (its trials + prior + 1)), which
+shrinks as the request's own verifies add up, divided by B² over B drafting requests: at one stream a step that drafts
+in vain costs a share of one step and the request is the whole gain, while in a batch a whole-batch draft on an
+optimistic estimate is the very loss "never slower" guards against (with 1 / B instead, a noisy 32-stream case drafted
+the whole batch once in 340 steps). The margin that thins the plain probes is the estimate's own. Half a standard
+error: one stream replayed offline on the bench's repeating prompts went from plain decoding in a quarter of its
+steps to 6%; a poor draft (α 0.1) costs a lone stream 3.4% of plain's rate against 2.3% without (a whole standard
+error: 5.7%).
+
 A request whose first position's acceptance falls below ``min_alpha`` stops drafting for ``pause`` steps (doubled on
 each relapse up to ``max_pause``), then tries again.
 """
@@ -77,6 +89,7 @@ class SpecPolicyConfig:
     explore_requests: int = 4  # how many of a step's requests draft when it explores drafting
     forgetting: float = 0.97  # weight kept by past observations per new one (cost fits and acceptances)
     prior_tokens: float = 2.0  # strength of the engine-wide acceptance as a request's prior
+    optimism: float = 0.5  # standard errors added to a lone request's acceptance when choosing (see _best_depth)
     confidence: float = 2.0  # standard errors added to a drafting step's modelled verify cost (a narrow win's check)
     sure_margin: float = 1.3  # drafting's modelled rate over plain's from which it is taken without that check
     min_alpha: float = 0.1
@@ -190,6 +203,17 @@ class Positions:
         i = k - 1
         accepted, trials = (self.accepted[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
         return (accepted + strength * prior) / (trials + strength)
+
+
+def _gained(alphas: list[list[float]], top: int) -> list[float]:
+    """Per depth 0 .. ``top``: the accepted draft tokens of requests whose k-th draft token is accepted with
+    ``α_k`` once the k - 1 before it were, Σ_r (α_r,1 + α_r,1·α_r,2 + ... + α_r,1···α_r,d)."""
+    reach = [1.0] * len(alphas)  # α_r,1 ··· α_r,d: the chance that request r's d-th draft token is accepted
+    gained = [0.0]
+    for d in range(top):
+        reach = [p * rates[d] for p, rates in zip(reach, alphas, strict=True)]
+        gained.append(gained[-1] + sum(reach))
+    return gained
 
 
 @dataclass
@@ -310,11 +334,19 @@ class SpecPolicy:
         taken, self._catch_up = self._catch_up, 0
         return taken
 
-    def alphas(self, req: RequestSpec, depth: int) -> list[float]:
-        """α_1 .. α_depth for ``req``: its own rate at each position, leaning on the engine-wide one there."""
+    def alphas(self, req: RequestSpec, depth: int, optimism: float = 0.0) -> list[float]:
+        """α_1 .. α_depth for ``req``: its own rate at each position, leaning on the engine-wide one there; plus
+        ``optimism`` standard errors of that estimate (its own trials and the prior's weight; at most 1)."""
         k = self.config.prior_tokens
         # The engine-wide rate itself leans on an even prior of the same weight, so that it is never exactly 0 or 1.
-        return [req.positions.rate(d, self._engine.rate(d, 0.5, k), k) for d in range(1, depth + 1)]
+        rates = [req.positions.rate(d, self._engine.rate(d, 0.5, k), k) for d in range(1, depth + 1)]
+        if not optimism:
+            return rates
+        trials = req.positions.trials
+        return [
+            min(1.0, a + optimism * math.sqrt(a * (1.0 - a) / ((trials[i] if i < len(trials) else 0.0) + k + 1.0)))
+            for i, a in enumerate(rates)
+        ]
 
     def alpha(self, req: RequestSpec) -> float:
         """α_1: how often ``req``'s first draft token is accepted (what pauses a request whose drafts fail)."""
@@ -329,19 +361,20 @@ class SpecPolicy:
         a, b = verify
         c0, c, e, f = self._draft_weights()
         top = self.spec.draft_nodes
-        alphas = [self.alphas(r, top) for r in requests if self._step >= r.paused_until]
-        n, drafting = len(requests), len(alphas)
-        reach = [1.0] * drafting  # α_r,1 ··· α_r,d: the chance that request r's d-th draft token is accepted
-        tokens = float(n)  # at depth 0 every request gives its one sampled token
-        plain_rate = tokens / (a + b * n) if a + b * n > 0 else 0.0
-        point, seconds = [plain_rate], [0.0]  # per depth: modelled tokens per second, and the step's seconds
+        live = [r for r in requests if self._step >= r.paused_until]
+        n, drafting = len(requests), len(live)
+        # Chosen with each request's acceptance optimistic by optimism / B² standard errors (B drafting requests):
+        # the choice is made on few verifies of a young request; judged (the margin) by the estimates themselves.
+        optimism = self.config.optimism / drafting**2 if drafting else 0.0
+        gained = _gained([self.alphas(r, top, optimism) for r in live], top)
+        expected = _gained([self.alphas(r, top) for r in live], top) if optimism else gained
+        plain_rate = n / (a + b * n) if a + b * n > 0 else 0.0
+        point, seconds = [plain_rate], [a + b * n]  # per depth: modelled tokens per second, and the step's seconds
         for d in range(1, top + 1):
-            reach = [p * rates[d - 1] for p, rates in zip(reach, alphas, strict=True)]
-            tokens += sum(reach)
             # The catch-up at its steady state, a token or so per request: a first draft after plain steps reads more,
             # once; charged to the choice, it would grow with every plain step and drafting would never start again.
             seconds.append(a + b * (n + d * drafting) + c0 + d * (c + e * drafting) + f * drafting)
-            point.append(tokens / seconds[d] if seconds[d] > 0 else 0.0)
+            point.append((n + gained[d]) / seconds[d] if seconds[d] > 0 else 0.0)
         best = max(range(top + 1), key=lambda d: point[d])
         # A narrow modelled win must hold at the verify's upper estimate: a drafting step's size often lies far beyond
         # the plain steps the fit mostly saw, and a slope fitted on steps of nearly one size on a loaded host is mostly
@@ -355,7 +388,8 @@ class SpecPolicy:
                 slowest = seconds[d] + self.config.confidence * spread
                 upper.append(point[d] * seconds[d] / slowest if slowest > 0 else 0.0)
             best = max(range(top + 1), key=lambda d: upper[d])
-        return best, (point[best] / plain_rate if plain_rate > 0 else float("inf"))
+        rate = (n + expected[best]) / seconds[best] if seconds[best] > 0 else 0.0
+        return best, (rate / plain_rate if plain_rate > 0 else float("inf"))
 
     def _draft_weights(self) -> list[float]:
         """(c0, c, e, f) of the draft cost, from the features the drafting steps seen so far tell apart, every weight
