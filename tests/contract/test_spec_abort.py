@@ -43,7 +43,7 @@ MAX_NEW = 24
 @pytest.fixture(scope="module")
 def config(embedded_model_dir: Path) -> EngineConfig:
     spec = SpeculativeConfig(
-        SpecAlgorithm.DRAFT, draft_model_path=str(embedded_model_dir), num_steps=STEPS, adaptive=False
+        SpecAlgorithm.DRAFT, draft_model_path=str(embedded_model_dir), num_steps=STEPS, adaptive=False, draft_min_prob=0
     )
     return EngineConfig(
         model_path=str(embedded_model_dir),

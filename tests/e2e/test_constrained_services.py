@@ -436,7 +436,12 @@ async def test_the_draft_model_drafting_under_the_grammar_over_grpc_gives_the_gr
     mask call committed (the grammar would refuse the verified tokens and abort requests)."""
     requests = mixed_batch(tokenizer)
     spec = SpeculativeConfig(
-        SpecAlgorithm.DRAFT, draft_model_path=config.model_path, num_steps=3, adaptive=False, draft_grammar=True
+        SpecAlgorithm.DRAFT,
+        draft_model_path=config.model_path,
+        num_steps=3,
+        adaptive=False,
+        draft_grammar=True,
+        draft_min_prob=0,  # every depth drafted: the unmasked mutant's refused tokens show at every depth
     )
     outputs = {}
     for label, speculative in (("plain", SpeculativeConfig()), ("spec", spec)):

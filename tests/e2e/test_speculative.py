@@ -159,7 +159,9 @@ def test_the_target_as_its_own_draft_accepts_every_draft_token(
     """Draft = target: each verify keeps all of its draft (acceptance length = drafted + 1), and the noisy draft
     lies in between (the test above). Fails if the draft model's KV catch-up misses a token (its drafts would then
     diverge from the target's choices)."""
-    spec = SpeculativeConfig(SpecAlgorithm.DRAFT, draft_model_path=str(embedded_model_dir), num_steps=4, adaptive=False)
+    spec = SpeculativeConfig(
+        SpecAlgorithm.DRAFT, draft_model_path=str(embedded_model_dir), num_steps=4, adaptive=False, draft_min_prob=0
+    )
     outs = _run(embedded_model_dir, spec, True, workload)
     _same(outs, plain)
     for o in outs:
