@@ -69,7 +69,6 @@ class _Inflight:
     plan: StepPlan
     planned: tuple[int, ...]
     chunk_ends: tuple[int, ...]
-    draft_depth: int = 0  # the speculative depth the step's decodes were planned at
     catch_up: int = 0  # tokens the drafting requests' draft model had to read before drafting (SpecPolicy)
 
 
@@ -207,7 +206,6 @@ class Scheduler:
                 plan,
                 tuple(tokens for _, tokens, _ in planned),
                 tuple(end for _, _, end in planned),
-                self._depth,
                 self._policy.take_catch_up() if self._draft_nodes else 0,
             )
         )
@@ -361,7 +359,7 @@ class Scheduler:
                 )
             req.spec.add(run.num_drafted, run.num_accepted)
             self._spec.add(run.num_drafted, run.num_accepted)
-            self._policy.observe_request(req.drafting, run.num_drafted, run.num_accepted)
+            self._policy.observe_request(req.drafting, run.num_drafted, run.num_accepted, entry.num_draft)
             cuts.append(_cut(req, run))
         self._observe_spec(inflight, result, period_s)
         grammar = [
@@ -382,11 +380,11 @@ class Scheduler:
             return
         forward_tokens = sum(1 + run.num_drafted for run in result.runs)
         drafted = sum(1 for run in result.runs if run.num_drafted)
+        # The draft's depth as it ran (its forwards), not as planned: a draft model ends its drafts where it is unsure.
+        depth = max((run.num_drafted for run in result.runs), default=0)
         timing = result.timing
         seconds = max(timing.done, period_s) if period_s is not None else timing.done
-        self._policy.observe_step(
-            forward_tokens, inflight.draft_depth, drafted, seconds, timing.draft_seconds, inflight.catch_up
-        )
+        self._policy.observe_step(forward_tokens, depth, drafted, seconds, timing.draft_seconds, inflight.catch_up)
 
     def finish_commit(self, pending: PendingCommit, grammar: Sequence[GrammarCommitOutcome]) -> CommitOutcome:
         """Phase 2: ``grammar`` answers ``pending.grammar`` in order. A run the grammar ended early is cut there

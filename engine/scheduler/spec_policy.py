@@ -34,10 +34,15 @@ only its first position's rate, so a poor first token kept it there (the repeati
 against 1.69x at the full depth). The records decay with every step, drafted or not: a rate that rules depth 0 gets no
 verify to correct it, so without decay in time one poor start (a prompt whose first drafts fail) would turn
 speculation off for good; instead it drifts back to the prior (half-life about 23 steps) and is tried again. A chain
-of depth d then yields ``E(d) = 1 + α_1 + α_1·α_2 + ... + α_1···α_d`` tokens per step.
+of depth d then yields ``E(d) = 1 + α_1 + α_1·α_2 + ... + α_1···α_d`` tokens per step. A draft model ends a draft
+after a token it is unsure of (``--speculative-draft-min-prob``), so each request also keeps, per position k, how often
+a draft planned that deep went on to its k-th token (κ_k, κ_1 = 1; the engine-wide rate its prior, leaning on 1): a
+draft planned d deep gives ``1 + κ_1·α_1 + κ_1·α_1·κ_2·α_2 + ...`` tokens from ``1 + κ_1 + κ_1·κ_2 + ...`` verify
+rows, and its draft runs as many forwards as its longest draft. Taken at the planned depth instead, both were
+overcounted where the α measured on the drafted (the sure) positions does not hold for the rest.
 
 Each step the scheduler plans the depth d (0 .. the configured maximum) that maximises the step's tokens per
-second, ``Σ E_r(d) / (verify(B + d·B_s) + draft(d, B_s))`` over its B decodes (B_s of them drafting). Depth 0 is
+second, ``Σ E_r(d) / (verify(B + rows) + draft(d, B_s))`` over its B decodes (B_s of them drafting). Depth 0 is
 plain decoding, so the rule picks speculation only where the measured model says it is faster; and a narrow win
 (under ``sure_margin`` times plain's rate) must also hold with the verify at its upper estimate, ``confidence``
 standard errors of the fit's prediction above it: a drafting step's size often lies far beyond the plain steps the
@@ -177,43 +182,84 @@ class _LinearFit:
 
 @dataclass
 class Positions:
-    """Decayed acceptance counts per draft position (index k - 1 for the k-th draft token): ``trials[k - 1]`` verifies
-    reached position k (its k - 1 tokens before were accepted and it was drafted), ``accepted[k - 1]`` of them
-    accepted it. Positions never reached are absent (no record: the prior rules there)."""
+    """Decayed counts per draft position (index k - 1 for the k-th draft token).
+
+    Acceptance: ``trials[k - 1]`` verifies reached position k (its k - 1 tokens before were accepted and it was
+    drafted), ``accepted[k - 1]`` of them accepted it. Continuation: ``offered[k - 1]`` drafts were planned at least k
+    deep and drafted the k - 1 tokens before it, ``continued[k - 1]`` of them drafted the k-th too (a draft model
+    ends its draft after a token it is unsure of, ``--speculative-draft-min-prob``; a planned draft always drafts its
+    first token, or nothing at all). Positions never reached are absent (no record: the prior rules there)."""
 
     accepted: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
+    continued: list[float] = field(default_factory=list)
+    offered: list[float] = field(default_factory=list)
 
     def decay(self, lam: float) -> None:
-        self.accepted[:] = [lam * a for a in self.accepted]
-        self.trials[:] = [lam * t for t in self.trials]
+        for counts in (self.accepted, self.trials, self.continued, self.offered):
+            counts[:] = [lam * c for c in counts]
 
-    def add(self, drafted: int, accepted: int) -> None:
-        """One verify of ``drafted`` tokens of which the first ``accepted`` were kept."""
+    def add(self, drafted: int, accepted: int, planned: int | None = None) -> None:
+        """One verify of ``drafted`` tokens (of ``planned``; default as many) of which the first ``accepted`` were
+        kept."""
         reached = min(accepted + 1, drafted)
-        while len(self.trials) < reached:
-            self.trials.append(0.0)
-            self.accepted.append(0.0)
+        _grow(self.trials, self.accepted, reached)
         for k in range(reached):
             self.trials[k] += 1.0
             self.accepted[k] += 1.0 if k < accepted else 0.0
+        offered = min(drafted + 1, drafted if planned is None else planned)  # positions 2 .. offered were offered
+        _grow(self.offered, self.continued, offered)
+        for k in range(1, offered):
+            self.offered[k] += 1.0
+            self.continued[k] += 1.0 if k < drafted else 0.0
 
     def rate(self, k: int, prior: float, strength: float) -> float:
         """α at position ``k`` (1-based): this record's rate there, leaning on ``prior`` with ``strength`` trials."""
-        i = k - 1
-        accepted, trials = (self.accepted[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
-        return (accepted + strength * prior) / (trials + strength)
+        return _leaning(self.accepted, self.trials, k - 1, prior, strength)
+
+    def continuation(self, k: int, prior: float, strength: float) -> float:
+        """κ at position ``k`` (1-based): how often a draft planned at least k deep that drafted its k - 1 tokens before
+        drafts the k-th (1 at the first), leaning on ``prior`` with ``strength`` offers."""
+        return 1.0 if k <= 1 else _leaning(self.continued, self.offered, k - 1, prior, strength)
 
 
-def _gained(alphas: list[list[float]], top: int) -> list[float]:
-    """Per depth 0 .. ``top``: the accepted draft tokens of requests whose k-th draft token is accepted with
-    ``α_k`` once the k - 1 before it were, Σ_r (α_r,1 + α_r,1·α_r,2 + ... + α_r,1···α_r,d)."""
-    reach = [1.0] * len(alphas)  # α_r,1 ··· α_r,d: the chance that request r's d-th draft token is accepted
-    gained = [0.0]
-    for d in range(top):
-        reach = [p * rates[d] for p, rates in zip(reach, alphas, strict=True)]
-        gained.append(gained[-1] + sum(reach))
-    return gained
+def _grow(total: list[float], hits: list[float], length: int) -> None:
+    while len(total) < length:
+        total.append(0.0)
+        hits.append(0.0)
+
+
+def _leaning(hits: list[float], total: list[float], i: int, prior: float, strength: float) -> float:
+    h, t = (hits[i], total[i]) if i < len(total) else (0.0, 0.0)
+    return (h + strength * prior) / (t + strength)
+
+
+@dataclass(frozen=True)
+class _Modelled:
+    """Per depth 0 .. d of a step's drafting requests: the accepted draft tokens, the draft tokens verified, and the
+    longest draft's length (the draft's forwards)."""
+
+    gained: list[float]
+    rows: list[float]
+    longest: list[float]
+
+    @classmethod
+    def of(cls, kappas: list[list[float]], alphas: list[list[float]], top: int) -> _Modelled:
+        """Requests whose draft goes on to its k-th token with κ_k and has it accepted with α_k (once the k - 1
+        before it were drafted, and accepted): Σ_r Σ_k≤d κ_r,1·α_r,1 ··· κ_r,k·α_r,k tokens accepted, Σ_r Σ_k≤d
+        κ_r,1 ··· κ_r,k verified."""
+        reached = [1.0] * len(alphas)  # the chance that request r's draft reaches its d-th token
+        kept = [1.0] * len(alphas)  # the chance that it reaches it and every token up to it is accepted
+        lengths = [0.0] * len(alphas)
+        gained, rows, longest = [0.0], [0.0], [0.0]
+        for d in range(top):
+            reached = [p * ks[d] for p, ks in zip(reached, kappas, strict=True)]
+            kept = [p * ks[d] * rates[d] for p, ks, rates in zip(kept, kappas, alphas, strict=True)]
+            lengths = [length + p for length, p in zip(lengths, reached, strict=True)]
+            gained.append(gained[-1] + sum(kept))
+            rows.append(rows[-1] + sum(reached))
+            longest.append(max(lengths, default=0.0))
+        return cls(gained, rows, longest)
 
 
 @dataclass
@@ -348,6 +394,12 @@ class SpecPolicy:
             for i, a in enumerate(rates)
         ]
 
+    def continuations(self, req: RequestSpec, depth: int) -> list[float]:
+        """κ_1 .. κ_depth for ``req``: how often its draft goes on to each position (κ_1 = 1), leaning on the
+        engine-wide rate there, which leans on 1: a proposer that never ends a draft early drafts every position."""
+        k = self.config.prior_tokens
+        return [req.positions.continuation(d, self._engine.continuation(d, 1.0, k), k) for d in range(1, depth + 1)]
+
     def alpha(self, req: RequestSpec) -> float:
         """α_1: how often ``req``'s first draft token is accepted (what pauses a request whose drafts fail)."""
         return self.alphas(req, 1)[0]
@@ -366,15 +418,18 @@ class SpecPolicy:
         # Chosen with each request's acceptance optimistic by optimism / B² standard errors (B drafting requests):
         # the choice is made on few verifies of a young request; judged (the margin) by the estimates themselves.
         optimism = self.config.optimism / drafting**2 if drafting else 0.0
-        gained = _gained([self.alphas(r, top, optimism) for r in live], top)
-        expected = _gained([self.alphas(r, top) for r in live], top) if optimism else gained
+        kappas = [self.continuations(r, top) for r in live]
+        model = _Modelled.of(kappas, [self.alphas(r, top, optimism) for r in live], top)
+        expected = _Modelled.of(kappas, [self.alphas(r, top) for r in live], top).gained if optimism else model.gained
         plain_rate = n / (a + b * n) if a + b * n > 0 else 0.0
         point, seconds = [plain_rate], [a + b * n]  # per depth: modelled tokens per second, and the step's seconds
         for d in range(1, top + 1):
-            # The catch-up at its steady state, a token or so per request: a first draft after plain steps reads more,
+            # The draft's forwards: as many as its longest draft is modelled to run (d where no draft ends early). The
+            # catch-up at its steady state, a token or so per request: a first draft after plain steps reads more,
             # once; charged to the choice, it would grow with every plain step and drafting would never start again.
-            seconds.append(a + b * (n + d * drafting) + c0 + d * (c + e * drafting) + f * drafting)
-            point.append((n + gained[d]) / seconds[d] if seconds[d] > 0 else 0.0)
+            forwards = model.longest[d]
+            seconds.append(a + b * (n + model.rows[d]) + c0 + forwards * (c + e * drafting) + f * drafting)
+            point.append((n + model.gained[d]) / seconds[d] if seconds[d] > 0 else 0.0)
         best = max(range(top + 1), key=lambda d: point[d])
         # A narrow modelled win must hold at the verify's upper estimate: a drafting step's size often lies far beyond
         # the plain steps the fit mostly saw, and a slope fitted on steps of nearly one size on a loaded host is mostly
@@ -382,7 +437,7 @@ class SpecPolicy:
         # has not been measured for a while its upper estimate is wide too, and would keep plain a stream that drafting
         # speeds up twofold.
         if best and (point[best] < self.config.sure_margin * plain_rate or b <= 0.0):
-            spreads = self._verify.spreads([(1.0, float(n + d * drafting)) for d in range(1, top + 1)])
+            spreads = self._verify.spreads([(1.0, n + model.rows[d]) for d in range(1, top + 1)])
             upper = [plain_rate]
             for d, spread in enumerate(spreads, start=1):
                 slowest = seconds[d] + self.config.confidence * spread
@@ -435,16 +490,18 @@ class SpecPolicy:
         """A step that says nothing about the cost (a prefill chunk in it) still counts for pauses and exploring."""
         self._step += 1
 
-    def observe_request(self, req: RequestSpec, drafted: int, accepted: int) -> None:
+    def observe_request(self, req: RequestSpec, drafted: int, accepted: int, planned: int | None = None) -> None:
+        """A verified run of ``req``: ``drafted`` draft tokens of the ``planned`` (default as many), the first
+        ``accepted`` of them kept."""
         lam = self.config.forgetting
         # Forgotten in time too, not only by newer verifies: a request that stopped drafting on a poor start (a rate
         # that rules depth 0 gets no verify to correct it) drifts back to the prior and is tried again.
         req.positions.decay(lam)
         if not drafted:
             return
-        req.positions.add(drafted, accepted)
+        req.positions.add(drafted, accepted, planned)
         self._engine.decay(lam)
-        self._engine.add(drafted, accepted)
+        self._engine.add(drafted, accepted, planned)
         if accepted:
             req.pause = 0
         elif self.alpha(req) < self.config.min_alpha:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine.config import SpecAlgorithm, SpeculativeConfig
-from engine.scheduler.spec_policy import RequestSpec, SpecPolicy, SpecPolicyConfig, _LinearFit
+from engine.scheduler.spec_policy import RequestSpec, SpecPolicy, SpecPolicyConfig, _LinearFit, _Modelled
 
 SPEC = SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=4)
 
@@ -47,13 +47,15 @@ def _drive(
     noise: float = 0.0,
     vary: int = 0,
     renew: int = 0,
+    goes_on: float = 1.0,
 ) -> list[int]:
     """``steps`` decode steps of ``batch`` requests whose draft tokens are each accepted with ``alpha`` (a tuple: the
     k-th draft token, its k - 1 before accepted, with ``alpha[k - 1]``, the last entry for every later one); the
     batch depth chosen for each (and in ``drafting`` how many requests drafted). ``start``: another machine for the
     first steps. ``noise``: each step's times scaled by a lognormal factor of that sigma (a loaded host); ``vary``:
     each step leaves out up to that many of the requests (finished and admitted ones); ``renew``: every that many
-    steps the requests are new ones (each one's record starts empty, as a new request's does)."""
+    steps the requests are new ones (each one's record starts empty, as a new request's does); ``goes_on``: the
+    chance that a draft goes on past each of its tokens (a draft model ending its drafts where it is unsure)."""
     rng = random.Random(7)
     rates = alpha if isinstance(alpha, tuple) else (alpha,)
     everyone = [RequestSpec(length=20) for _ in range(batch)]  # 20-token prompts
@@ -65,23 +67,27 @@ def _drive(
         reqs = everyone[: batch - rng.randint(0, vary)] if vary else everyone
         depth = policy.batch_depth(reqs)
         chosen.append(depth)
-        tokens = drafted = 0
+        tokens = drafted = longest = 0
         for req in reqs:
             d = policy.request_depth(req, depth)
+            length = min(d, 1)
+            while length < d and (goes_on >= 1.0 or rng.random() < goes_on):
+                length += 1
             accepted = 0
-            while accepted < d and rng.random() < rates[min(accepted, len(rates) - 1)]:
+            while accepted < length and rng.random() < rates[min(accepted, len(rates) - 1)]:
                 accepted += 1
-            policy.observe_request(req, d, accepted)
+            policy.observe_request(req, length, accepted, d)
             req.length += 1 + accepted
-            tokens += 1 + d
-            drafted += d > 0
+            tokens += 1 + length
+            drafted += length > 0
+            longest = max(longest, length)
         catch_up = policy.take_catch_up()
         on = start[0] if start is not None and step < start[1] else machine
-        seconds, draft_seconds = on.times(tokens, depth, drafted, catch_up)
+        seconds, draft_seconds = on.times(tokens, longest, drafted, catch_up)
         if noise:
             scale = rng.lognormvariate(0.0, noise)
             seconds, draft_seconds = seconds * scale, draft_seconds * scale
-        policy.observe_step(tokens, depth, drafted, seconds, draft_seconds, catch_up)
+        policy.observe_step(tokens, longest, drafted, seconds, draft_seconds, catch_up)
         if drafting is not None:
             drafting.append(drafted)
     return chosen
@@ -171,9 +177,9 @@ class _Measured(SpecPolicy):
     tokens: int = 0
     seconds: float = 0.0
 
-    def observe_request(self, req: RequestSpec, drafted: int, accepted: int) -> None:
+    def observe_request(self, req: RequestSpec, drafted: int, accepted: int, planned: int | None = None) -> None:
         self.tokens += 1 + accepted
-        super().observe_request(req, drafted, accepted)
+        super().observe_request(req, drafted, accepted, planned)
 
     def observe_step(
         self, forward_tokens: int, depth: int, drafted: int, seconds: float, draft_seconds: float, catch_up: int = 0
@@ -330,6 +336,28 @@ def test_a_request_whose_drafts_fail_pauses_then_tries_again() -> None:
     policy.tick()
     policy.observe_request(req, drafted=4, accepted=3)
     assert req.pause == 0 and policy.request_depth(req, 4) == 4
+
+
+def test_a_draft_that_ends_early_is_modelled_as_drafted_not_as_rejected() -> None:
+    """A draft model ends a draft after a token it is unsure of (--speculative-draft-min-prob): planned 6 deep, it
+    drafts 2 and both are accepted. The record says position 3 was offered and not drafted (κ_3 falls), positions 1
+    and 2 accepted (α rises), nothing about positions past 3; the modelled step then verifies and gains what such
+    drafts do (κ_1·α_1 + κ_1·α_1·κ_2·α_2 + ... tokens over 1 + κ_2 + κ_2·κ_3 + ... rows). Fails if the rule takes the
+    planned depth for the drafted one (the position-3 token counted as rejected, six rows a draft)."""
+    policy = SpecPolicy(SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=6))
+    req = RequestSpec()
+    for _ in range(20):
+        policy.observe_request(req, drafted=2, accepted=2, planned=6)
+    alphas, kappas = policy.alphas(req, 4), policy.continuations(req, 4)
+    assert alphas[0] > 0.9 and alphas[1] > 0.9 and alphas[2] == pytest.approx(0.5, abs=0.01)  # 3: never reached
+    assert kappas[0] == 1.0 and kappas[1] > 0.9 and kappas[2] < 0.1 and kappas[3] == pytest.approx(1.0)
+    model = _Modelled.of([kappas], [alphas], 4)
+    expected_rows, expected_gain, reach, kept = 0.0, 0.0, 1.0, 1.0
+    for k, a in zip(kappas, alphas, strict=True):
+        reach, kept = reach * k, kept * k * a
+        expected_rows, expected_gain = expected_rows + reach, expected_gain + kept
+    assert model.rows[4] == pytest.approx(expected_rows) and model.gained[4] == pytest.approx(expected_gain)
+    assert 2.0 < model.rows[4] < 2.2 and model.longest[4] == pytest.approx(model.rows[4])
 
 
 def test_adaptive_off_always_drafts_the_full_depth() -> None:
