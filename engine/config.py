@@ -57,8 +57,9 @@ class SpecAlgorithm(enum.Enum):
 
 # The draft depth where --speculative-num-steps is not given. A draft model drafts deeper than n-gram lookup: its
 # chains end where it is unsure (draft_min_prob), so the deep positions are drafted only where they tend to be
-# accepted (the embedded draft at one stream, depth 6 with a bar of 0.6 against depth 4 with none: 1.9x-2.0x plain
-# against 1.6x-1.9x on the repeating prompts, 2.8x-3.0x against 2.6x-2.7x on the fresh ones).
+# accepted (the embedded draft at one stream, side by side in the services: depth 6 with a bar of 0.5-0.7 read
+# 1.9x-2.0x plain against depth 4's 1.6x-1.9x with none on the repeating prompts, 2.8x-3.0x against 2.6x-2.7x on the
+# fresh ones; docs/speculative.md).
 DEFAULT_NUM_STEPS = {SpecAlgorithm.DRAFT: 6, SpecAlgorithm.NGRAM: 4}
 
 
