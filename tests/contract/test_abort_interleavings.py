@@ -131,10 +131,9 @@ class MachineStack:
 
 @pytest.fixture(scope="module", params=["plain", "speculative"])
 def stack(request: pytest.FixtureRequest, embedded_model_dir: Path) -> Iterator[MachineStack]:
-    # Speculative: the target drafts for itself, so every decode step returns a run of up to three tokens.
-    spec = SpeculativeConfig(
-        SpecAlgorithm.DRAFT, str(embedded_model_dir), num_steps=2, adaptive=False, draft_min_prob=0
-    )
+    # Speculative: the target drafts for itself, so every decode step returns a run of up to three tokens (fewer where
+    # the draft, unsure of a token, ends its chain there: the default draft_min_prob).
+    spec = SpeculativeConfig(SpecAlgorithm.DRAFT, str(embedded_model_dir), num_steps=2, adaptive=False)
     config = EngineConfig(
         model_path=str(embedded_model_dir),
         page_size=PAGE,
