@@ -121,6 +121,7 @@ def test_the_scheduler_reports_the_speculation(
         info = MessageToDict(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT))
         assert info["serverArgs"]["speculative_algorithm"] == "DRAFT"
         assert info["serverArgs"]["speculative_num_draft_tokens"] == STEPS + 1
+        assert info["serverArgs"]["speculative_draft_min_prob"] == pytest.approx(0.6)  # the default bar
         assert info["schedulerInfo"]["spec_accepted_tokens"] > 0
     samples = prometheus_samples(stack[1])
     assert samples["ordinal_spec_accepted_tokens_total"] == samples["ordinal_spec_draft_tokens_total"] > 0
