@@ -380,15 +380,16 @@ class SpecPolicy:
         taken, self._catch_up = self._catch_up, 0
         return taken
 
-    def alphas(self, req: RequestSpec, depth: int, optimism: float = 0.0) -> list[float]:
-        """α_1 .. α_depth for ``req``: its own rate at each position, leaning on the engine-wide one there; plus
-        ``optimism`` standard errors of that estimate (its own trials and the prior's weight; at most 1)."""
+    def alphas(self, req: RequestSpec, depth: int) -> list[float]:
+        """α_1 .. α_depth for ``req``: its own rate at each position, leaning on the engine-wide one there."""
         k = self.config.prior_tokens
         # The engine-wide rate itself leans on an even prior of the same weight, so that it is never exactly 0 or 1.
-        rates = [req.positions.rate(d, self._engine.rate(d, 0.5, k), k) for d in range(1, depth + 1)]
-        if not optimism:
-            return rates
-        trials = req.positions.trials
+        return [req.positions.rate(d, self._engine.rate(d, 0.5, k), k) for d in range(1, depth + 1)]
+
+    def _optimistic(self, req: RequestSpec, rates: list[float], optimism: float) -> list[float]:
+        """``rates`` (``req``'s α) plus ``optimism`` standard errors of each estimate (its own trials and the prior's
+        weight), at most 1."""
+        k, trials = self.config.prior_tokens, req.positions.trials
         return [
             min(1.0, a + optimism * math.sqrt(a * (1.0 - a) / ((trials[i] if i < len(trials) else 0.0) + k + 1.0)))
             for i, a in enumerate(rates)
@@ -419,8 +420,10 @@ class SpecPolicy:
         # the choice is made on few verifies of a young request; judged (the margin) by the estimates themselves.
         optimism = self.config.optimism / drafting**2 if drafting else 0.0
         kappas = [self.continuations(r, top) for r in live]
-        model = _Modelled.of(kappas, [self.alphas(r, top, optimism) for r in live], top)
-        expected = _Modelled.of(kappas, [self.alphas(r, top) for r in live], top).gained if optimism else model.gained
+        alphas = [self.alphas(r, top) for r in live]
+        chosen = [self._optimistic(r, rates, optimism) for r, rates in zip(live, alphas, strict=True)]
+        model = _Modelled.of(kappas, chosen, top)
+        expected = _Modelled.of(kappas, alphas, top).gained if optimism else model.gained
         plain_rate = n / (a + b * n) if a + b * n > 0 else 0.0
         point, seconds = [plain_rate], [a + b * n]  # per depth: modelled tokens per second, and the step's seconds
         for d in range(1, top + 1):

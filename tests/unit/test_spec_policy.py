@@ -47,15 +47,13 @@ def _drive(
     noise: float = 0.0,
     vary: int = 0,
     renew: int = 0,
-    goes_on: float = 1.0,
 ) -> list[int]:
     """``steps`` decode steps of ``batch`` requests whose draft tokens are each accepted with ``alpha`` (a tuple: the
     k-th draft token, its k - 1 before accepted, with ``alpha[k - 1]``, the last entry for every later one); the
     batch depth chosen for each (and in ``drafting`` how many requests drafted). ``start``: another machine for the
     first steps. ``noise``: each step's times scaled by a lognormal factor of that sigma (a loaded host); ``vary``:
     each step leaves out up to that many of the requests (finished and admitted ones); ``renew``: every that many
-    steps the requests are new ones (each one's record starts empty, as a new request's does); ``goes_on``: the
-    chance that a draft goes on past each of its tokens (a draft model ending its drafts where it is unsure)."""
+    steps the requests are new ones (each one's record starts empty, as a new request's does)."""
     rng = random.Random(7)
     rates = alpha if isinstance(alpha, tuple) else (alpha,)
     everyone = [RequestSpec(length=20) for _ in range(batch)]  # 20-token prompts
@@ -67,27 +65,23 @@ def _drive(
         reqs = everyone[: batch - rng.randint(0, vary)] if vary else everyone
         depth = policy.batch_depth(reqs)
         chosen.append(depth)
-        tokens = drafted = longest = 0
+        tokens = drafted = 0
         for req in reqs:
             d = policy.request_depth(req, depth)
-            length = min(d, 1)
-            while length < d and (goes_on >= 1.0 or rng.random() < goes_on):
-                length += 1
             accepted = 0
-            while accepted < length and rng.random() < rates[min(accepted, len(rates) - 1)]:
+            while accepted < d and rng.random() < rates[min(accepted, len(rates) - 1)]:
                 accepted += 1
-            policy.observe_request(req, length, accepted, d)
+            policy.observe_request(req, d, accepted)
             req.length += 1 + accepted
-            tokens += 1 + length
-            drafted += length > 0
-            longest = max(longest, length)
+            tokens += 1 + d
+            drafted += d > 0
         catch_up = policy.take_catch_up()
         on = start[0] if start is not None and step < start[1] else machine
-        seconds, draft_seconds = on.times(tokens, longest, drafted, catch_up)
+        seconds, draft_seconds = on.times(tokens, depth, drafted, catch_up)
         if noise:
             scale = rng.lognormvariate(0.0, noise)
             seconds, draft_seconds = seconds * scale, draft_seconds * scale
-        policy.observe_step(tokens, longest, drafted, seconds, draft_seconds, catch_up)
+        policy.observe_step(tokens, depth, drafted, seconds, draft_seconds, catch_up)
         if drafting is not None:
             drafting.append(drafted)
     return chosen
