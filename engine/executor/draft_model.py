@@ -16,6 +16,9 @@ draft's argmax: the verify then reproduces plain decoding exactly (engine/execut
 costs a verify row, so deeper drafts pay where the draft is sure. Any other sampled
 request's spine is drawn from the draft's own distribution (after the request's temperature, top-k, top-p,
 min-p), which is returned as ``q`` for the rejection rule; siblings are chosen deterministically (one-hot ``q``).
+At every depth where the request cannot emit eos or its stop ids (short of its min_new_tokens) the draft cannot
+propose them either (native chain and torch forwards alike): the verify's row bans them, so such a draft token would
+be rejected with everything after it, and a sampled spine's ``q`` is then renormalised over what is allowed.
 
 Under the grammar (``--speculative-draft-grammar on``, a :class:`~engine.executor.masks.DraftMasks` given): each
 constrained request's row is masked at every depth with its grammar's mask for the state after its committed
@@ -206,12 +209,21 @@ class DraftModelProposer:
         """Greedy chains in one native call: the same spines the forwards below would choose, to rounding."""
         assert self._chain is not None
         pairs = zip(live, seqs, strict=True)
-        rows = [ChainRow(seq.token_ids, seq.start_pos, g.request.pages, g.depth) for g, seq in pairs]
+        rows = [
+            ChainRow(seq.token_ids, seq.start_pos, g.request.pages, g.depth, *self._banned(g.request))
+            for g, seq in pairs
+        ]
         chosen = self._chain.run(rows, min_prob=self._min_prob).tokens
         for g, tokens in zip(live, chosen, strict=True):
             self._slots[g.request.slot].fed.extend(tokens[:-1])  # the chain fed all but its last token
             for token in tokens:
                 self._grow(g, token, token, ())
+
+    @staticmethod
+    def _banned(r: DraftRequest) -> tuple[tuple[int, ...], int]:
+        """The ids ``r``'s draft must not propose, and at how many of its first depths (min_new_tokens)."""
+        left = r.sampling.min_new_left()
+        return (r.sampling.min_new_banned_ids, left) if left > 0 else ((), 0)
 
     def _draft_forwards(self, live: list[_Growing], seqs: list[SeqInput]) -> None:
         """Every other draft (sampled spines, trees, drafts under the grammar), one batched forward per depth and the
@@ -296,14 +308,20 @@ class DraftModelProposer:
 
     def _choose(self, live: list[_Growing], logits: torch.Tensor, bitmask: torch.Tensor | None) -> None:
         raw = logits[:, : self._vocab_size].float()  # [B, V]
-        if bitmask is not None:
+        states = [g.request.sampling for g in live]
+        banning = any(len(g.spine) < s.min_new_left() for g, s in zip(live, states, strict=True))
+        masked = bitmask is not None or banning
+        if masked:
             raw = raw.clone(memory_format=torch.contiguous_format)  # [B, V]
+        if bitmask is not None:
             self._sampler.apply_bitmask(raw, bitmask)  # banned tokens -inf: never a spine, a sibling or mass in q
+        if banning:  # what the request cannot emit at this depth, as the verify's row for it bans
+            self._sampler.apply_min_new(raw, states, [g.spine for g in live])
         best = raw.max(dim=-1)
         spine = best.indices  # [B]
-        # A row whose mask allows nothing (the grammar refuses the prefix or has ended) ends that draft: no node is
-        # drafted from it. Unmasked rows always have a finite maximum.
-        open_rows = (best.values > float("-inf")).tolist() if bitmask is not None else [True] * len(live)
+        # A row that allows nothing (the grammar refuses the prefix or has ended, or allows only what is banned) ends
+        # that draft: no node is drafted from it. Rows with nothing banned always have a finite maximum.
+        open_rows = (best.values > float("-inf")).tolist() if masked else [True] * len(live)
         for g, is_open in zip(live, open_rows, strict=True):
             g.ended = g.ended or not is_open
         drafting = [g.growing for g in live]
@@ -316,7 +334,7 @@ class DraftModelProposer:
             generators = [self._slots[live[i].request.slot].generator for i in sampled]
             noise = torch.stack([self._sampler.noise(gen) for gen in generators if gen is not None])  # [S, V]
             spine[rows] = race(probs, noise)
-        ranked = self._ranked(raw, max(g.request.topk for g in live), bitmask is not None)
+        ranked = self._ranked(raw, max(g.request.topk for g in live), masked)
         unsure = self._unsure(raw, spine, sampled, probs)
         spine_ids = spine.tolist()
         row_of = {i: k for k, i in enumerate(sampled)}

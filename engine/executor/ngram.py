@@ -29,7 +29,9 @@ Choices (where peers differ):
   children best first: the order the verify step tries them in.
 
 Every drafted token is one that really followed an earlier occurrence in the history (a continuation stops at the
-pending token, never beyond it). Drafts are deterministic, so ``q`` is None: verification treats them as one-hot.
+pending token, never beyond it), and one the request can emit there: a continuation ends before an eos or stop id
+while the request's min_new_tokens bans them. Drafts are deterministic, so ``q`` is None: verification treats them
+as one-hot.
 """
 
 from __future__ import annotations
@@ -141,11 +143,12 @@ class NgramProposer:
         length = min(request.max_depth, request.max_nodes)  # of a chain; the most a tree can be deep
         if length < 1 or request.topk < 1:
             return NO_DRAFT
+        cut = _Cut.of(request)
         if request.topk == 1:
-            return self._chain(tokens, index, length)
-        return self._tree(tokens, index, request)
+            return self._chain(tokens, index, length, cut)
+        return self._tree(tokens, index, request, cut)
 
-    def _chain(self, tokens: Sequence[int], index: _SlotIndex, length: int) -> Draft:
+    def _chain(self, tokens: Sequence[int], index: _SlotIndex, length: int, cut: _Cut) -> Draft:
         found = self._longest_match(tokens, index)
         if found is None:
             return NO_DRAFT
@@ -153,7 +156,8 @@ class NgramProposer:
         # The most recent occurrence whose continuation is complete (ends <= last - length), else the oldest.
         j = bisect_right(ends, len(tokens) - 1 - length) - 1
         end = ends[j] if j >= 0 else ends[0]
-        return Draft(DraftTree.chain(tokens[end + 1 : end + 1 + length]))
+        chain = cut(tokens[end + 1 : end + 1 + length])
+        return Draft(DraftTree.chain(chain)) if chain else NO_DRAFT
 
     def _longest_match(self, tokens: Sequence[int], index: _SlotIndex) -> tuple[int, tuple[int, ...]] | None:
         """(n, end positions) of the longest suffix with an earlier occurrence, or None."""
@@ -186,14 +190,34 @@ class NgramProposer:
                         return chosen
         return chosen
 
-    def _tree(self, tokens: Sequence[int], index: _SlotIndex, request: DraftRequest) -> Draft:
+    def _tree(self, tokens: Sequence[int], index: _SlotIndex, request: DraftRequest, cut: _Cut) -> Draft:
         occurrences = self._occurrences(tokens, index)
         if not occurrences:
             return NO_DRAFT
         trie = _Trie()
         for rank, (end, weight) in enumerate(occurrences):
-            trie.add(tokens[end + 1 : end + 1 + request.max_depth], weight, rank)
-        return Draft(trie.select(request.topk, request.max_nodes))
+            trie.add(cut(tokens[end + 1 : end + 1 + request.max_depth]), weight, rank)
+        tree = trie.select(request.topk, request.max_nodes)
+        return Draft(tree) if tree.tokens else NO_DRAFT
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """Ends a continuation before the first token the request cannot emit at its depth: eos and stop ids at the
+    first ``depths`` depths, while min_new_tokens bans them (the verify would reject it and everything after)."""
+
+    banned: frozenset[int]
+    depths: int
+
+    @classmethod
+    def of(cls, request: DraftRequest) -> _Cut:
+        return cls(frozenset(request.sampling.min_new_banned_ids), request.sampling.min_new_left())
+
+    def __call__(self, path: Sequence[int]) -> Sequence[int]:
+        for depth in range(min(self.depths, len(path))):
+            if path[depth] in self.banned:
+                return path[:depth]
+        return path
 
 
 class _Trie:

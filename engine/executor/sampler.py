@@ -67,6 +67,7 @@ class SamplingState:
         self.fallback_token = min(eos_token_ids) if eos_token_ids else 0
         self.logit_bias = self._bias_tensors(params)
         self.min_new_banned = self._min_new_banned(params, eos_token_ids)
+        self.min_new_banned_ids = tuple(self.min_new_banned.tolist()) if self.min_new_banned is not None else ()
         self.penalties: PenaltyTensors | None = None
         # Decided once, read every step: greedy with nothing to apply but (maybe) min_new_tokens, and no logprobs.
         self.plain_greedy = params.greedy and self.logit_bias is None and not params.needs_penalties
@@ -89,6 +90,13 @@ class SamplingState:
     def min_new_active_after(self, ahead: int) -> bool:
         """:attr:`min_new_active` once ``ahead`` more tokens are output (a draft node's row in a verify)."""
         return self.min_new_banned is not None and self._num_output + ahead < self.params.min_new_tokens
+
+    def min_new_left(self) -> int:
+        """How many of the next tokens, the next one first, min_new_tokens still bans :attr:`min_new_banned_ids` for:
+        what a draft of this request must not propose at its first that many depths."""
+        if self.min_new_banned is None:
+            return 0
+        return max(0, self.params.min_new_tokens - self._num_output)
 
     def record(self, token_id: int) -> None:
         """Append one sampled output token (the runner calls this after :meth:`Sampler.sample`)."""
@@ -225,7 +233,7 @@ class Sampler:
         self._apply_bias(x, states)
         if bitmask is not None:
             self.apply_bitmask(x, bitmask)
-        self._apply_min_new(x, states, ahead)
+        self.apply_min_new(x, states, ahead)
         self._apply_penalties(x, states, ahead)
         return x
 
@@ -261,9 +269,11 @@ class Sampler:
         caps = torch.nn.functional.embedding(octets, self._byte_caps)  # [B, 4W, 8]
         return caps.reshape(words.shape[0], -1)[:, : self.vocab_size]  # [B, V]
 
-    def _apply_min_new(
+    def apply_min_new(
         self, x: torch.Tensor, states: Sequence[SamplingState], ahead: Sequence[Sequence[int]] | None
     ) -> None:
+        """Step 4 on ``x`` [B, V] in place: -inf at eos and stop ids in the rows whose request is short of its
+        min_new_tokens (``ahead[r]``: row r's tokens past the request's outputs). Also what a draft bans."""
         rows = [(r, s.min_new_banned) for r, s in enumerate(states) if s.min_new_active_after(_count(ahead, r))]
         if not rows:
             return

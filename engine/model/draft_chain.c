@@ -192,6 +192,7 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
                         const float *sin, const int64_t *layers, const int64_t *dims, float eps, int64_t batch,
                         const int64_t *feed_tokens, const int64_t *feed_offsets, const int64_t *start_pos,
                         const int64_t *page_tables, const int64_t *depths, int64_t max_depth, float min_prob,
+                        const int64_t *ban_offsets, const int64_t *ban_tokens, const int64_t *ban_depths,
                         int64_t *out_tokens, int64_t *out_lengths, float *out_logits) {
     /* dims: hidden, inter, heads, kv_heads, head_dim, num_layers, model_vocab, vocab, page_size, bf16,
      * pages_per_seq, threads */
@@ -267,7 +268,12 @@ int ordinal_draft_chain(const float *embed, const void *lm_head, const float *fi
         matmul(s.xn, chosen, hid, lm_head, m.model_vocab, NULL, s.logits, m.bf16, m.threads);
         for (int64_t c = 0; c < chosen; ++c) {
             const int64_t b = row[c];
-            const float *logits = s.logits + c * m.model_vocab;
+            float *logits = s.logits + c * m.model_vocab;
+            /* The tokens the request cannot emit at this depth (eos and stop ids before min_new_tokens) are never
+             * chosen, and the unsure check weighs the chosen one against the allowed ones only, as the verify's
+             * processed row does. */
+            if (t < ban_depths[b])
+                for (int64_t k = ban_offsets[b]; k < ban_offsets[b + 1]; ++k) logits[ban_tokens[k]] = -INFINITY;
             const int64_t best = argmax(logits, m.vocab);
             out_tokens[b * max_depth + t] = best;
             if (t + 1 < out_lengths[b] && unsure(logits, m.vocab, best, min_prob)) out_lengths[b] = t + 1;

@@ -35,12 +35,16 @@ def _bf16_exact(weight: torch.Tensor) -> bool:
 class ChainRow:
     """One request's chain: ``feed`` (its catch-up tokens, the last being its pending token) written at positions
     ``start_pos ..``, then ``depth`` argmax tokens chosen, the first from the last feed token's logits. ``pages``
-    must cover every position written, ``start_pos + len(feed) + depth - 2`` the last."""
+    must cover every position written, ``start_pos + len(feed) + depth - 2`` the last. The first ``ban_depth``
+    tokens are never one of ``banned`` (what the request cannot emit there: eos and stop ids before its
+    min_new_tokens)."""
 
     feed: Sequence[int]
     start_pos: int
     pages: Sequence[int]
     depth: int
+    banned: Sequence[int] = ()
+    ban_depth: int = 0
 
     @property
     def last_position(self) -> int:
@@ -121,17 +125,23 @@ class DraftChain:
         for b, row in enumerate(rows):
             used = row.pages[:pages_per_seq]
             tables[b, : len(used)] = torch.tensor(used, dtype=torch.int64)
+        ban_offsets = [0]
+        for row in rows:
+            ban_offsets.append(ban_offsets[-1] + len(row.banned))
+        banned = torch.tensor([t for row in rows for t in row.banned] or [0], dtype=torch.int64)  # [K or 1]
         ints = torch.tensor(
             [
                 *offsets,
                 *(row.start_pos for row in rows),
                 *(row.depth for row in rows),
+                *ban_offsets,
+                *(row.ban_depth for row in rows),
                 *self._dims,
                 pages_per_seq,
                 torch.get_num_threads(),  # the kernel's OpenMP threads, as the paged decode kernel takes them
             ],
             dtype=torch.int64,
-        )  # [B + 1 | B | B | dims, P, threads]
+        )  # [B + 1 | B | B | B + 1 | B | dims, P, threads]
         out = torch.zeros(batch, max_depth, dtype=torch.int64)  # [B, K]
         lengths = torch.zeros(batch, dtype=torch.int64)  # [B]: each chain's tokens, its depth or fewer
         logits = torch.zeros(batch, max_depth, self._vocab_size) if keep_logits else None  # [B, K, V], 0 past a depth
@@ -144,7 +154,7 @@ class DraftChain:
             self._cos.data_ptr(),
             self._sin.data_ptr(),
             self._layers.data_ptr(),
-            base + step * (3 * batch + 1),  # dims
+            base + step * (5 * batch + 2),  # dims
             self._eps,
             batch,
             feed.data_ptr(),
@@ -154,6 +164,9 @@ class DraftChain:
             base + step * (2 * batch + 1),  # depths
             max_depth,
             min_prob,
+            base + step * (3 * batch + 1),  # ban offsets
+            banned.data_ptr(),
+            base + step * (4 * batch + 2),  # ban depths
             out.data_ptr(),
             lengths.data_ptr(),
             logits.data_ptr() if logits is not None else None,
@@ -180,6 +193,8 @@ class DraftChain:
                 raise ValueError(f"chain row {b}: a page id outside the pool of {num_pages} pages")
             if any(not 0 <= t < self._embed.shape[0] for t in row.feed):
                 raise ValueError(f"chain row {b}: a token id outside the vocabulary of {self._embed.shape[0]}")
+            if any(not 0 <= t < self._vocab_size for t in row.banned) or row.ban_depth < 0:
+                raise ValueError(f"chain row {b}: banned ids must be within the vocabulary of {self._vocab_size}")
 
     def _layer_row(self, index: int, layer: LlamaDecoderLayer, kv: KVPool, window: int | None) -> list[int]:
         attn, mlp = layer.self_attn, layer.mlp

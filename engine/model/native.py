@@ -349,7 +349,7 @@ class DraftChainKernel:
         fn = library.ordinal_draft_chain
         fn.restype = ctypes.c_int
         # embed, lm_head_t, final_norm, cos, sin, layers, dims | eps | batch | feed tokens and offsets, start_pos,
-        # page_tables, depths | max_depth | min_prob | out_tokens, out_lengths, out_logits
+        # page_tables, depths | max_depth | min_prob | ban offsets, tokens, depths | out_tokens, out_lengths, out_logits
         fn.argtypes = [
             *[ctypes.c_void_p] * 7,
             ctypes.c_float,
@@ -357,7 +357,7 @@ class DraftChainKernel:
             *[ctypes.c_void_p] * 5,
             ctypes.c_int64,
             ctypes.c_float,
-            *[ctypes.c_void_p] * 3,
+            *[ctypes.c_void_p] * 6,
         ]
         return cls(path, library)
 

@@ -66,7 +66,8 @@ def noisy_draft(embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.fixture(scope="module")
 def workload(embedded_model_dir: Path) -> tuple[list[list[int]], list[SamplingParams]]:
-    """32 prompts and greedy parameters; the stops are picked from plain decoding's own output so they fire."""
+    """32 prompts and greedy parameters; the stops are picked from plain decoding's own output so they fire; a quarter
+    of the requests ban eos to their end (min_new_tokens)."""
     rng = random.Random(11)
     shared = [rng.randrange(10, 2000) for _ in range(64)]
     prompts = []
@@ -74,6 +75,8 @@ def workload(embedded_model_dir: Path) -> tuple[list[list[int]], list[SamplingPa
         own = [rng.randrange(10, 2000) for _ in range(rng.randint(4, 86))]
         prompts.append([*shared, *own] if i % 3 == 0 else own)
     params = [SamplingParams(temperature=0.0, max_new_tokens=rng.randint(1, 40), ignore_eos=True) for _ in prompts]
+    for i in range(3, NUM_REQUESTS, 4):  # eos banned to the end (min_new_tokens): so the drafts are banned it too
+        params[i] = replace(params[i], min_new_tokens=params[i].max_new_tokens)
     with Engine(replace(BASE, model_path=str(embedded_model_dir))) as engine:
         plain = engine.generate_batch(prompts, params, timeout=300)
     tokenizer = Tokenizer.from_dir(embedded_model_dir)
@@ -247,7 +250,10 @@ def _constrained_run(
     model: Path, spec: SpeculativeConfig, grammar_overlap: bool, workload: tuple[list[list[int]], list[SamplingParams]]
 ) -> list[RequestOutput]:
     prompts, params = workload
-    prompts, params = prompts[:16], [replace(p, stop=(), stop_token_ids=(), max_new_tokens=32) for p in params[:16]]
+    prompts, params = (
+        prompts[:16],
+        [replace(p, stop=(), stop_token_ids=(), max_new_tokens=32, min_new_tokens=0) for p in params[:16]],
+    )
     config = replace(BASE, model_path=str(model), speculative=spec, grammar_overlap=grammar_overlap)
     with Engine(config) as engine:
         outs = engine.generate_batch(prompts, params, timeout=300, constraints=_constraints(len(prompts)))
@@ -325,7 +331,10 @@ def test_a_grammar_that_starts_inside_the_draft_window_cuts_the_draft_there(
     triggers = [tokenizer.decode(list(plain[i].output_ids or ())[4:5]) for i in chosen]
     constraints: list[Constraint | None] = [_triggered(t) for t in triggers]
     sub_prompts = [prompts[i] for i in chosen]
-    sub_params = [replace(params[i], stop=(), stop_token_ids=(), max_new_tokens=32, ignore_eos=False) for i in chosen]
+    sub_params = [
+        replace(params[i], stop=(), stop_token_ids=(), max_new_tokens=32, min_new_tokens=0, ignore_eos=False)
+        for i in chosen
+    ]
     spec = CONFIGS["ngram tree"]
     if name.startswith("the target"):
         spec = SpeculativeConfig(
@@ -415,7 +424,7 @@ def sampled_workload(
     for i, (prompt, base) in enumerate(zip(mixed, greedy, strict=True)):
         if i % 2:
             prompt = tokenizer.encode(PATTERNS[i // 2 % len(PATTERNS)] * rng.randint(2, 4))
-            base = replace(base, stop=(), stop_token_ids=(), max_new_tokens=rng.randint(16, 40))
+            base = replace(base, stop=(), stop_token_ids=(), max_new_tokens=rng.randint(16, 40), min_new_tokens=0)
         prompts.append(prompt)
         if i % 8 == 7:
             params.append(replace(base, logprobs=True, top_logprobs=2))

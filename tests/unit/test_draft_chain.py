@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,8 @@ def _torch_chain(model: LlamaForCausalLM, kv: KVPool, row: ChainRow) -> tuple[li
     rows: list[torch.Tensor] = []
     for depth in range(row.depth):
         logits = model(ForwardBatch.build([seq], PAGE_SIZE, "cpu"), kv)[0, :VOCAB]  # [V]
+        if depth < row.ban_depth:
+            logits[list(row.banned)] = float("-inf")
         rows.append(logits)
         tokens.append(int(logits.argmax()))
         seq = SeqInput((tokens[-1],), row.start_pos + len(row.feed) + depth, row.pages, LogitsMode.LAST)
@@ -184,6 +187,40 @@ def test_a_chain_ends_after_its_first_token_the_draft_is_unsure_of(model: LlamaF
     assert chain.run(rows, min_prob=0.999).tokens == [tokens[:1] for tokens in full.tokens]
 
 
+def test_a_chain_never_chooses_what_its_request_cannot_emit(model: LlamaForCausalLM) -> None:
+    """``banned`` at the first ``ban_depth`` tokens (eos and stop ids short of min_new_tokens). Four rows of depth 5
+    are run unbanned; then row 0 bans its own first and third tokens for two depths, one later row bans the token it
+    chose at a depth k for the k - 1 depths before (a token it had not chosen before k: so nothing changes before k,
+    and at k the ban has just run out), the others ban nothing. Each row equals the torch reference that sets those
+    logits to -inf at those depths, tokens and logits; row 0's first token changed, the later row's chain did not.
+    Fails if the kernel ignores the ban, applies it one depth too many (the later row's token at k changes) or too
+    few, or to another row's chain."""
+    chain = DraftChain.build(model, _pool(model), VOCAB)
+    assert chain is not None
+    kv_torch = _pool(model)
+    tables = [list(range(b * 8, b * 8 + 8)) for b in range(4)]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 5, 11)]
+    _prefill(model, [chain._kv, kv_torch], prompts, tables)
+    rows = [ChainRow([rng.randrange(VOCAB)], len(p), t, 5) for p, t in zip(prompts, tables, strict=True)]
+    unbanned = chain.run(rows).tokens
+    rows[0] = replace(rows[0], banned=(unbanned[0][0], unbanned[0][2]), ban_depth=2)
+    # (row, depth index): a token the row chooses first at that depth (random models often repeat one token).
+    later, k = next((b, k) for b in range(1, 4) for k in range(1, 5) if unbanned[b][k] not in unbanned[b][:k])
+    rows[later] = replace(rows[later], banned=(unbanned[later][k],), ban_depth=k)
+    result = chain.run(rows, keep_logits=True)
+    assert result.logits is not None
+    for b, row in enumerate(rows):
+        tokens, logits = _torch_chain(model, kv_torch, row)
+        assert result.tokens[b] == tokens, b
+        finite = logits.isfinite()
+        assert torch.equal(result.logits[b].isfinite(), finite), b
+        scale = float(logits[finite].abs().max())
+        assert float((result.logits[b][finite] - logits[finite]).abs().max()) <= 1e-4 * scale, b
+    assert result.tokens[0][0] != unbanned[0][0] and unbanned[0][0] not in result.tokens[0][:2]
+    assert result.tokens[1:] == unbanned[1:]
+
+
 def test_rows_outside_their_pages_or_the_model_are_refused_before_anything_is_written(
     model: LlamaForCausalLM,
 ) -> None:
@@ -202,6 +239,7 @@ def test_rows_outside_their_pages_or_the_model_are_refused_before_anything_is_wr
         "no feed": ChainRow([], 0, [0], 1),
         "past the positions": ChainRow([1], max_pos - 1, list(range(NUM_PAGES)), 2),
         "token outside the vocabulary": ChainRow([model.config.vocab_size], 0, [0], 1),
+        "banned id outside the vocabulary": ChainRow([1], 0, [0], 1, banned=(VOCAB,), ban_depth=1),
     }
     before = kv._buffer.clone()
     for name, row in bad.items():
@@ -219,9 +257,18 @@ _KINDS = ((0.0, 1), (0.0, 1), (0.0, 2), (1.0, 1))
 
 
 def _request(
-    slot: int, tokens: list[int], depth: int, pages: range, temperature: float = 0.0, topk: int = 1
+    slot: int,
+    tokens: list[int],
+    depth: int,
+    pages: range,
+    temperature: float = 0.0,
+    topk: int = 1,
+    eos: frozenset[int] = frozenset(),
+    banned_depths: int = 0,
 ) -> DraftRequest:
-    state = SamplingState(SamplingParams(temperature=temperature), tuple(tokens[:-1]), frozenset(), VOCAB, "cpu", 0)
+    """A request with one output so far; with ``banned_depths`` its min_new_tokens bans ``eos`` that many more."""
+    params = SamplingParams(temperature=temperature, min_new_tokens=1 + banned_depths if banned_depths else 0)
+    state = SamplingState(params, tuple(tokens[:-1]), eos, VOCAB, "cpu", 0)
     state.record(tokens[-1])
     nodes = depth * topk  # a tree: up to topk - 1 siblings beside each spine token
     return DraftRequest(slot, tokens, len(tokens) - 1, pages, nodes, depth, topk, state)
@@ -284,11 +331,57 @@ def test_the_proposer_drafts_the_same_chains_natively_and_on_torch(
     assert (ended > 0) == (min_prob > 0), ended
 
 
-def _depth(tree: DraftTree) -> int:
+def test_no_draft_proposes_what_min_new_tokens_bans(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four requests (two greedy chains, a greedy tree, a sampled chain) drafted five deep with nothing banned; then,
+    on fresh proposers native and torch, the same requests short of their min_new_tokens by two tokens, with "eos"
+    the tokens the unbanned drafts chose first. No draft holds a banned token at depths 1 and 2 (spines and siblings),
+    the sampled chain's q gives them no mass there, every first token changed, and the native and torch drafts are
+    equal. Fails if either path drafts without the ban (the verify would reject such a token and all after it), if
+    the ban runs to the wrong depth on one path only, or if a sampled spine's q keeps mass on a banned token (the
+    rejection rule would then be computed against a distribution the token was not drawn from)."""
+    c = model.config
+    draft_pages = NUM_PAGES // 4
+
+    def proposer() -> DraftModelProposer:
+        kv = KVPool(c.num_layers, NUM_PAGES, PAGE_SIZE, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+        return DraftModelProposer(model, kv, VOCAB, c.max_position_embeddings)
+
+    rng = random.Random(13)
+    histories = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))] for _ in range(4)]
+
+    def requests(eos: frozenset[int] = frozenset(), banned_depths: int = 0) -> list[DraftRequest]:
+        pages = [range(slot * draft_pages, (slot + 1) * draft_pages) for slot in range(4)]
+        return [
+            _request(slot, h, 5, pages[slot], *_KINDS[slot], eos=eos, banned_depths=banned_depths)
+            for slot, h in enumerate(histories)
+        ]
+
+    free = proposer().propose(requests())
+    eos = frozenset(d.tree.tokens[0] for d in free)
+    native = proposer().propose(requests(eos, 2))
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    plain = proposer().propose(requests(eos, 2))
+    assert [d.tree for d in native] == [d.tree for d in plain]
+    for before, after in zip(free, native, strict=True):
+        depths = _depths(after.tree)
+        assert not [t for t, d in zip(after.tree.tokens, depths, strict=True) if d <= 2 and t in eos], after.tree
+        assert after.tree.tokens[0] != before.tree.tokens[0]
+        assert max(depths) > 2  # the ban does not end the drafts: past depth 2 anything goes
+    q = native[3].q
+    assert q is not None
+    spine_depths = _depths(native[3].tree)
+    assert float(q[[n for n, d in enumerate(spine_depths) if d <= 2]][:, sorted(eos)].sum()) == 0.0
+
+
+def _depths(tree: DraftTree) -> list[int]:
     depths: list[int] = []
     for parent in tree.parents:  # parents come before their children
         depths.append(1 + (depths[parent] if parent >= 0 else 0))
-    return max(depths, default=0)
+    return depths
+
+
+def _depth(tree: DraftTree) -> int:
+    return max(_depths(tree), default=0)
 
 
 @pytest.mark.parametrize("changed", [path.name for path in DRAFT_CHAIN_INCLUDES])

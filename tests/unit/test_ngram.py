@@ -296,3 +296,30 @@ def test_slots_are_independent() -> None:
 def test_config_is_checked(bad: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         NgramConfig(**bad)
+
+
+def test_a_continuation_ends_before_what_min_new_tokens_bans() -> None:
+    """A request short of its min_new_tokens cannot emit eos (here 15) or its stop ids (14): the n-gram draft ends
+    before one at the depths still under the ban, and keeps it past them. The history: [1 2] was followed by
+    3 15 4 14 5. Fails if the cut is removed (the chain would hold 15 at depth 2, the verify rejecting it and all after
+    it) or applied past the ban's depths."""
+    history = [1, 2, 3, 15, 4, 14, 5, 0, 1, 2]
+
+    def banned_for(outputs_left: int, topk: int = 1, tokens: Sequence[int] = history) -> DraftTree:
+        params = SamplingParams(min_new_tokens=outputs_left + 3, stop_token_ids=(14,))
+        state = SamplingState(params, (), frozenset({15}), VOCAB, "cpu", 0)
+        for _ in range(3):
+            state.record(0)  # three outputs so far: outputs_left more are banned from ending
+        r = DraftRequest(0, tokens, len(tokens) - 1, (), 8, 8, topk, state)
+        (out,) = NgramProposer().propose([r])
+        return out.tree
+
+    assert banned_for(0) == DraftTree.chain([3, 15, 4, 14, 5, 0, 1, 2])  # min_new_tokens reached: nothing banned
+    assert banned_for(1) == DraftTree.chain([3, 15, 4, 14, 5, 0, 1, 2])  # only depth 1 is banned: 3 is allowed
+    assert banned_for(2) == DraftTree.chain([3])  # 15 at depth 2 is banned
+    assert banned_for(5) == DraftTree.chain([3])
+    assert banned_for(2, topk=2) == DraftTree.chain([3])  # trees too
+    assert banned_for(1_000).tokens == (3,)
+    stop_later = [1, 2, 3, 4, 14, 5, 0, 1, 2]  # the stop id at depth 3
+    assert banned_for(3, tokens=stop_later) == DraftTree.chain([3, 4])
+    assert banned_for(2, tokens=stop_later) == DraftTree.chain([3, 4, 14, 5, 0, 1, 2])
