@@ -174,7 +174,7 @@ DRAFT_SPEC = EmbeddedSpec(
     num_attention_heads=4,
     num_key_value_heads=2,
     weights_file="ordinal-embedded-draft.safetensors",
-    weights_sha256="f6d1587af296e734c3e5ace54b8655a7e93d3c9c41ed7a866374811e348224df",
+    weights_sha256="174f9d776333c307f3e4ce1264cb881988f4eca53f2ae37a1812701803e8b3df",
 )
 
 
