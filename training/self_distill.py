@@ -110,9 +110,7 @@ def continue_batch(
     width = max(len(p.ids) for p in batch)
     pad = eos[0]
     ids = torch.tensor([[pad] * (width - len(p.ids)) + p.ids for p in batch])  # [B, W], padded on the left
-    mask = (ids != -1).long()  # [B, W]
-    for row, p in enumerate(batch):
-        mask[row, : width - len(p.ids)] = 0
+    mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in batch])  # [B, W]
     extra = {"min_new_tokens": new_tokens} if ban else {}
     out = target.generate(
         ids,

@@ -316,7 +316,7 @@ class DraftModelProposer:
         if bitmask is not None:
             self._sampler.apply_bitmask(raw, bitmask)  # banned tokens -inf: never a spine, a sibling or mass in q
         if banning:  # what the request cannot emit at this depth, as the verify's row for it bans
-            self._sampler.apply_min_new(raw, states, [g.spine for g in live])
+            self._sampler.apply_min_new(raw, states, [g.spine_tokens() for g in live])
         best = raw.max(dim=-1)
         spine = best.indices  # [B]
         # A row that allows nothing (the grammar refuses the prefix or has ended, or allows only what is banned) ends
