@@ -182,6 +182,7 @@ class Scheduler:
             decodes = [r for r in self._running if r.state is RequestState.DECODING and not r.finishing]
             for r in decodes:
                 r.drafting.length = r.num_prompt + len(r.output_ids)
+                r.drafting.left = r.params.max_new_tokens - r.planned_output
             self._depth = self._policy.batch_depth([r.drafting for r in decodes])
         for req in self._running:
             item, used = self._plan_running(req, budget)

@@ -15,9 +15,9 @@ one of 4 and the rule drafted shallow where the full depth paid. The catch-up ``
 drafting: a token or so per request while it drafts every step, everything since its last draft after plain steps (its
 prompt too, the first time). At 32 streams an exploring step's four requests read 14-35 tokens each (3-5 ms of the
 draft's time, against 0.5 at steady state): without ``K`` in the fit that went into ``c0`` and ``e``, by however long
-the gap since the last exploration was. The rule plans with the steady catch-up, one token per drafting request (see
-``_best_depth``). ``K`` is counted by the rule itself from each request's length as the scheduler planned it
-(``RequestSpec.length``, ``fed``).
+the gap since the last exploration was. The rule plans with the steady catch-up, one token per drafting request, plus
+what a request whose draft is behind must read first, spread over the steps it has left (``_switch_share``). ``K`` is
+counted by the rule itself from each request's length as the scheduler planned it (``RequestSpec.length``, ``fed``).
 
 A step's cost is its period (the wall time between two commits the loop ran back to back: the host's work on the
 step's tokens included) or, when unknown, the executor's time (``StepTiming``): where the scheduler's core is the
@@ -55,10 +55,10 @@ steps, the gap doubling (up to ``max_plain_gap``) while drafting wins by ``wide_
 costs a step's worth of drafted tokens, and where the margin is wide a somewhat stale fit cannot flip the choice;
 at one stream with the native draft chain the fixed period cost about 4% of the throughput); while decoding
 plainly, the full depth after a gap that starts at ``explore_every`` and doubles (up to ``max_explore_every``) each
-time plain decoding still wins, and with only ``explore_requests`` of the batch drafting, since a drafting step over
-a large batch costs several plain ones (depth 1 every other time while all drafts seen had one depth: the fit cannot
-tell a draft's call from its depths until it has seen two). Until the cost model has seen two different step sizes
-it alternates the full depth and none.
+time plain decoding still wins, and with only ``explore_requests`` of the batch drafting (those whose drafts have the
+least to catch up on), since a drafting step over a large batch costs several plain ones (depth 1 every other time
+while all drafts seen had one depth: the fit cannot tell a draft's call from its depths until it has seen two). Until
+the cost model has seen two different step sizes it alternates the full depth and none.
 
 A young request's acceptance rests on its first few verifies, and a request decoding plainly gets no verify that
 would correct it: two or three failed first tokens in a row (common where α_1 is 0.35-0.45, as for the embedded draft
@@ -91,7 +91,8 @@ class SpecPolicyConfig:
     max_explore_every: int = 256
     wide_margin: float = 1.3  # drafting's modelled tokens/s over plain's at which plain probes thin out
     max_plain_gap: int = 64  # the longest gap between plain probes while drafting (the fit still sees small steps)
-    explore_requests: int = 4  # how many of a step's requests draft when it explores drafting
+    explore_requests: int = 4  # how many of a step's requests draft when it explores drafting (the most caught up)
+    switch_horizon: float = 64.0  # at most this many steps a request's catch-up is spread over (see _best_depth)
     forgetting: float = 0.97  # weight kept by past observations per new one (cost fits and acceptances)
     prior_tokens: float = 2.0  # strength of the engine-wide acceptance as a request's prior
     optimism: float = 0.5  # standard errors added to a lone request's acceptance when choosing (see _best_depth)
@@ -272,11 +273,17 @@ class RequestSpec:
     pause: int = 0
     length: int = 0  # the request's tokens (prompt and outputs) when last planned: the scheduler sets it
     fed: int = 0  # its length, its drafts included, when it last drafted (0: never: its draft has seen nothing)
+    left: int = 0  # tokens it may still write (max_new_tokens less those planned; 0: not known): the scheduler sets it
 
     def catch_up(self) -> int:
         """Tokens a draft model must read before drafting for this request: all since it last drafted (a request
         that never drafted: its prompt too), at least its pending token."""
         return max(self.length - self.fed, 1)
+
+    def steps_left(self, per_step: float, horizon: float) -> float:
+        """Steps it is expected to go on decoding at ``per_step`` tokens a step, at most ``horizon`` (a request may end
+        early at its eos or a stop; one whose budget is not known is taken to go on that long), at least one."""
+        return min(max(self.left / per_step, 1.0), horizon) if self.left > 0 else horizon
 
 
 @dataclass
@@ -294,7 +301,7 @@ class SpecPolicy:
     _next_explore: int = 0
     _plain_gap: int = 0
     _next_plain: int = 0
-    _explore_quota: int | None = None  # requests of the exploring step that may still draft; None: not exploring
+    _explorers: set[int] | None = None  # id() of the exploring step's drafting requests; None: not exploring
     _explored_shallow: bool = False  # the last exploring step drafted depth 1 (see _exploring_depth)
     _catch_up: int = 0  # catch-up tokens of the requests drafting in the step being planned (take_catch_up)
 
@@ -310,7 +317,7 @@ class SpecPolicy:
     def batch_depth(self, requests: list[RequestSpec]) -> int:
         """The draft depth for a step whose decodes are ``requests``."""
         top = self.spec.draft_nodes
-        self._explore_quota = None
+        self._explorers = None
         if not self.spec.adaptive or top == 0 or not requests:
             return top
         choice = self._best_depth(requests)
@@ -318,7 +325,7 @@ class SpecPolicy:
             return 0 if self._step % 2 else top  # learning: the cost model needs two step sizes to mean anything
         best, margin = choice
         if best == 0:
-            return self._explore_drafting()
+            return self._explore_drafting(requests)
         self._explore_gap = self.config.explore_every  # drafting pays: a plain step now and then keeps it honest
         return self._probe_plain(best, margin)
 
@@ -336,7 +343,7 @@ class SpecPolicy:
             self._plain_gap = min(2 * self._plain_gap, self.config.max_plain_gap)
         return 0
 
-    def _explore_drafting(self) -> int:
+    def _explore_drafting(self, requests: list[RequestSpec]) -> int:
         """While plain decoding wins: the full depth once per gap, the gap doubling (up to ``max_explore_every``)
         each time the rule still says plain afterwards. A drafting step over a large batch is the costly kind of
         exploration (a draft model first catches up on every token since it last drafted, then the verify runs the
@@ -347,8 +354,11 @@ class SpecPolicy:
         self._next_explore = self._step + self._explore_gap
         self._explore_gap = min(2 * self._explore_gap, self.config.max_explore_every)
         # Only a few requests draft: their verifies and the step's size say what drafting would pay, and the cost of
-        # finding out stays small (each drafting request's draft model first catches up on everything it missed).
-        self._explore_quota = self.config.explore_requests
+        # finding out stays small. Those whose drafts are the most caught up: each drafting request's draft model
+        # first reads everything it missed (at 32 streams, a request that never drafted or last explored 128 steps
+        # ago reads 100-250 tokens, the draft's time of a plain step or two).
+        live = sorted((r for r in requests if self._step >= r.paused_until), key=RequestSpec.catch_up)
+        self._explorers = {id(r) for r in live[: self.config.explore_requests]}
         return self._exploring_depth()
 
     def _exploring_depth(self) -> int:
@@ -365,10 +375,8 @@ class SpecPolicy:
             return batch_depth
         if self._step < req.paused_until:
             return 0
-        if self._explore_quota is not None:  # an exploring step: its first few requests draft
-            if self._explore_quota <= 0:
-                return 0
-            self._explore_quota -= 1
+        if self._explorers is not None and id(req) not in self._explorers:  # an exploring step: its explorers draft
+            return 0
         if batch_depth:
             self._catch_up += req.catch_up()
             req.fed = req.length + batch_depth
@@ -426,12 +434,14 @@ class SpecPolicy:
         expected = _Modelled.of(kappas, alphas, top).gained if optimism else model.gained
         plain_rate = n / (a + b * n) if a + b * n > 0 else 0.0
         point, seconds = [plain_rate], [a + b * n]  # per depth: modelled tokens per second, and the step's seconds
+        behind = [(r.catch_up() - 1, r) for r in live if r.catch_up() > 1]  # tokens past the steady one to read first
         for d in range(1, top + 1):
-            # The draft's forwards: as many as its longest draft is modelled to run (d where no draft ends early). The
-            # catch-up at its steady state, a token or so per request: a first draft after plain steps reads more,
-            # once; charged to the choice, it would grow with every plain step and drafting would never start again.
+            # The draft's forwards: as many as its longest draft is modelled to run (d where no draft ends early). Its
+            # catch-up: a token per request at the steady state, and what a request whose draft is behind (it decoded
+            # plainly) reads once, spread over the steps it is expected to go on drafting (switch_share).
             forwards = model.longest[d]
-            seconds.append(a + b * (n + model.rows[d]) + c0 + forwards * (c + e * drafting) + f * drafting)
+            switch = self._switch_share(behind, 1.0 + model.gained[d] / drafting) if drafting else 0.0
+            seconds.append(a + b * (n + model.rows[d]) + c0 + forwards * (c + e * drafting) + f * (drafting + switch))
             point.append((n + model.gained[d]) / seconds[d] if seconds[d] > 0 else 0.0)
         best = max(range(top + 1), key=lambda d: point[d])
         # A narrow modelled win must hold at the verify's upper estimate: a drafting step's size often lies far beyond
@@ -448,6 +458,17 @@ class SpecPolicy:
             best = max(range(top + 1), key=lambda d: upper[d])
         rate = (n + expected[best]) / seconds[best] if seconds[best] > 0 else 0.0
         return best, (rate / plain_rate if plain_rate > 0 else float("inf"))
+
+    def _switch_share(self, behind: list[tuple[int, RequestSpec]], per_step: float) -> float:
+        """Catch-up tokens a step that drafts for ``behind`` (each with the tokens its draft has still to read past the
+        steady one) is charged: each request's spread over the steps it has left at ``per_step`` tokens a step, at
+        most ``switch_horizon``. A switch to drafting costs that catch-up once, and pays only if the steps after it
+        win it back: at 32 streams on the bench's fresh prompts, a switch 23 steps before the batch's end read 1068
+        tokens (27 ms, the time of 3.5 plain steps) for a modelled win of 5% a step, and lost. Charged whole to the
+        first step instead, it would grow with every plain step and drafting would never start again; spread over
+        the rest of a long request it costs a lone stream, whose win is twofold, next to nothing."""
+        horizon = self.config.switch_horizon
+        return sum(extra / req.steps_left(per_step, horizon) for extra, req in behind)
 
     def _draft_weights(self) -> list[float]:
         """(c0, c, e, f) of the draft cost, from the features the drafting steps seen so far tell apart, every weight

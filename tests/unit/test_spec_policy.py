@@ -266,6 +266,44 @@ def test_an_exploring_steps_catch_up_is_not_taken_for_the_drafts_own_cost() -> N
     assert c0 == pytest.approx(0.5, abs=0.2) and f == pytest.approx(0.025, rel=0.2)
 
 
+def test_a_batch_whose_drafts_are_behind_switches_to_drafting_only_where_the_catch_up_is_won_back() -> None:
+    """Batch 32 where drafting pays by a thin margin at its steady state (the machine above: depth 1 about 6.5% over
+    plain's rate, a draft that reads 0.025 per token it has not seen). A batch whose drafts are caught up drafts; the
+    same batch 30 plain tokens later, with 20 tokens left each, does not: its draft would first read 960 tokens (24,
+    the time of 2.4 plain steps) that the few steps left at 6.5% never win back. With a long way to go (2,000 tokens
+    left) the switch pays and it drafts. Fails if the catch-up of a switch is not charged (checked: the batch behind
+    with 20 left drafts depth 1)."""
+    policy = SpecPolicy(SPEC)
+    machine = Machine(
+        fixed=6.0, per_token=0.12, draft_fixed=0.05, draft_per_request=0.01, draft_call=0.5, catch_up=0.025
+    )
+    _drive(policy, machine, batch=32, alpha=0.7, steps=400, vary=4)
+
+    def batch(behind: int, left: int) -> list[RequestSpec]:
+        return [RequestSpec(length=300, fed=300 - behind, left=left) for _ in range(32)]
+
+    caught_up = policy._best_depth(batch(0, 20))
+    assert caught_up is not None and caught_up[0] > 0, caught_up
+    assert policy._best_depth(batch(30, 20)) == (0, 1.0)
+    far = policy._best_depth(batch(30, 2000))
+    assert far is not None and far[0] > 0, far
+
+
+def test_an_exploring_step_drafts_for_the_requests_whose_drafts_are_most_caught_up() -> None:
+    """While plain decoding wins at batch 32, an exploring step drafts for four requests, and each first reads what
+    its draft missed: the four with the least to read are the ones chosen, wherever they are in the step's order.
+    Fails if the first four in the step's order explore instead (checked: requests 0-3, 100-103 tokens behind)."""
+    policy = SpecPolicy(SPEC)
+    machine = Machine(fixed=2.0, per_token=0.5, draft_fixed=0.3, draft_per_request=0.05)
+    _drive(policy, machine, batch=32, alpha=0.5, steps=100)
+    reqs = [RequestSpec(length=300, fed=300 - 100 - i) for i in range(28)]
+    reqs += [RequestSpec(length=300, fed=300 - i) for i in range(4)]  # the most caught up, last in the step's order
+    policy._next_explore = policy._step  # the exploring step is now
+    depth = policy.batch_depth(reqs)
+    assert depth > 0
+    assert [i for i, r in enumerate(reqs) if policy.request_depth(r, depth)] == [28, 29, 30, 31]
+
+
 def test_exploring_plain_decoding_while_drafting_thinly_keeps_its_period() -> None:
     """While drafting pays by a thin margin (depth 1, about 1.2x plain's modelled rate), a plain step comes once
     every explore_every steps, at a fixed period."""
