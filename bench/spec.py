@@ -470,7 +470,7 @@ def main() -> None:
         "--draft-min-prob", type=float, default=None, help="--speculative-draft-min-prob (default: the engine's)"
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="segments of each workload, each run on every mode in turn"
+        "--rounds", type=int, default=8, help="segments of each workload, each run on every mode in turn"
     )
     parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--grammar-streams", type=int, nargs="+", default=[1, 32])
