@@ -273,7 +273,7 @@ class RequestSpec:
     pause: int = 0
     length: int = 0  # the request's tokens (prompt and outputs) when last planned: the scheduler sets it
     fed: int = 0  # its length, its drafts included, when it last drafted (0: never: its draft has seen nothing)
-    left: int = 0  # tokens it may still write (max_new_tokens less those planned; 0: not known): the scheduler sets it
+    left: int | None = None  # tokens it may still write (max_new_tokens less those planned; None: not known)
 
     def catch_up(self) -> int:
         """Tokens a draft model must read before drafting for this request: all since it last drafted (a request
@@ -283,7 +283,7 @@ class RequestSpec:
     def steps_left(self, per_step: float, horizon: float) -> float:
         """Steps it is expected to go on decoding at ``per_step`` tokens a step, at most ``horizon`` (a request may end
         early at its eos or a stop; one whose budget is not known is taken to go on that long), at least one."""
-        return min(max(self.left / per_step, 1.0), horizon) if self.left > 0 else horizon
+        return horizon if self.left is None else min(max(self.left / per_step, 1.0), horizon)
 
 
 @dataclass
