@@ -18,8 +18,11 @@ segment runs on every mode before the next (in a rotating order), so that the ma
 on a shared machine) falls on every mode alike instead of on whichever ran last.
 
 Printed: output tokens per second of wall time for each, the acceptance length (tokens per verify: accepted drafts
-plus the sampled one), and the ratios spec+overlap / plain and spec+overlap / spec. Targets (issue 15): >= 2x at one
-stream with the draft model, >= 1.0x at 32 streams (never slower), overlapped >= 1.1x non-overlapped.
+plus the sampled one), and the ratios spec+overlap / plain and spec+overlap / spec; beside spec+overlap / plain, two
+standard errors of the mean of its per-round ratios (±2se). Each round's two halves ran in the same minute, so at 32
+streams, where every round holds every prompt, this is how far the host's drift leaves the ratio uncertain. At one
+stream a round is one request, and the spread is mostly the prompts' own (their acceptance differs). Targets (issue
+15): >= 2x at one stream with the draft model, >= 1.0x at 32 streams (never slower), overlapped >= 1.1x non-overlapped.
 
 Then, under grammar (issue 16), with a grammar service in every stack, the repeating prompts at 1 and 32 streams:
 
@@ -103,6 +106,14 @@ class Run:
     tokens_per_s: float
     accept_length: float
     step: StepShare | None = None  # where a step's time went
+    per_round: tuple[float, ...] = ()  # tokens per second in each round (each segment of the workload)
+
+    def resolution(self, base: Run) -> float:
+        """Two standard errors of the mean of this run's per-round ratios to ``base`` (0: fewer than two rounds). Each
+        ratio's two halves ran in the same minute of the host; where rounds hold different prompts (one stream: one
+        request a round), the spread is also the prompts'."""
+        ratios = [a / b for a, b in zip(self.per_round, base.per_round, strict=True) if b > 0]
+        return 2 * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -210,7 +221,8 @@ def interleaved(
     turn: each workload is cut into ``rounds`` segments, and each segment runs on every mode before the next, in an
     order that rotates. The machine's speed drifts by 10% from one minute to the next; measured one mode after the
     other, that drift was all a ratio near 1.0 showed, measured in turn it falls on every mode alike.
-    Per mode and workload: output tokens over wall time summed over the segments, and the acceptance length."""
+    Per mode and workload: output tokens over wall time summed over the segments, the acceptance length, and each
+    segment's tokens per second (``Run.resolution``)."""
     names = list(modes)
     with contextlib.ExitStack() as stacks:
         up = {
@@ -222,15 +234,19 @@ def interleaved(
         runs: dict[str, dict[tuple[str, int], Run]] = {name: {} for name in names}
         for key, jobs in workloads.items():
             streams = key[1]
-            totals = {name: _Counts() for name in names}
+            segments: dict[str, list[_Counts]] = {name: [] for name in names}
             segment = -(-len(jobs) // rounds)
             for r in range(rounds):
                 part = jobs[r * segment : (r + 1) * segment]
+                if not part:
+                    break
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     mode_jobs = [replace(j, regex=GRAMMAR_REGEX) for j in part] if modes[name].constrained else part
-                    totals[name] += _measure(up[name], mode_jobs, streams, warm=r == 0)
+                    segments[name].append(_measure(up[name], mode_jobs, streams, warm=r == 0))
             for name in names:
-                runs[name][key] = totals[name].run()
+                total = sum(segments[name], _Counts())
+                per_round = tuple(c.tokens / c.wall for c in segments[name])
+                runs[name][key] = replace(total.run(), per_round=per_round)
     return runs
 
 
@@ -442,7 +458,7 @@ def traversal_per_node(target: Path, tokenizer: Tokenizer, depth: int) -> None:
 
 _HEADER = (
     f"{'proposer':>8} {'prompts':>9} {'streams':>7} | {'plain':>7} {'spec':>7} {'spec+ov':>7} {'fixed':>7} tok/s | "
-    f"{'acc len':>7} {'fixed':>6} | {'ov/plain':>8} {'ov/spec':>7} {'fixed/plain':>11} | {'A/A':>5}"
+    f"{'acc len':>7} {'fixed':>6} | {'ov/plain':>8} {'±2se':>5} {'ov/spec':>7} {'fixed/plain':>11} | {'A/A':>5}"
 )
 
 
@@ -451,6 +467,7 @@ def _print_row(r: Row) -> None:
         f"{r.algorithm:>8} {r.prompts:>9} {r.streams:>7} | {r.plain.tokens_per_s:7.0f} {r.spec.tokens_per_s:7.0f} "
         f"{r.overlapped.tokens_per_s:7.0f} {r.fixed.tokens_per_s:7.0f}       | {r.overlapped.accept_length:7.2f} "
         f"{r.fixed.accept_length:6.2f} | {r.overlapped.tokens_per_s / r.plain.tokens_per_s:7.2f}x "
+        f"{r.overlapped.resolution(r.plain):5.2f} "
         f"{r.overlapped.tokens_per_s / r.spec.tokens_per_s:6.2f}x {r.fixed.tokens_per_s / r.plain.tokens_per_s:10.2f}x "
         f"| {r.again.tokens_per_s / r.plain.tokens_per_s:4.2f}x",
         flush=True,
