@@ -434,7 +434,8 @@ class SpecPolicy:
         expected = _Modelled.of(kappas, alphas, top).gained if optimism else model.gained
         plain_rate = n / (a + b * n) if a + b * n > 0 else 0.0
         point, seconds = [plain_rate], [a + b * n]  # per depth: modelled tokens per second, and the step's seconds
-        behind = [(r.catch_up() - 1, r) for r in live if r.catch_up() > 1]  # tokens past the steady one to read first
+        extra = [(r.catch_up() - 1, r) for r in live]  # tokens past the steady one its draft must read first
+        behind = [(tokens, r) for tokens, r in extra if tokens > 0]
         for d in range(1, top + 1):
             # The draft's forwards: as many as its longest draft is modelled to run (d where no draft ends early). Its
             # catch-up: a token per request at the steady state, and what a request whose draft is behind (it decoded
