@@ -2,7 +2,7 @@
 
 For each proposer (the draft model, n-gram lookup), each kind of prompt (ones that repeat themselves, n-gram's home
 ground, and ones that do not) and each concurrency (1, 8, 32 streams), the same greedy requests run through the
-services as users run them (executor and scheduler processes, loopback gRPC, streams from this process), five ways:
+services as users run them (executor and scheduler processes, loopback gRPC, streams from this process), six ways:
 
     plain          no speculation, overlap on (the default serving mode): the baseline
     spec           speculation, overlap off (the scheduler commits step N before launching N+1)
@@ -12,6 +12,9 @@ services as users run them (executor and scheduler processes, loopback gRPC, str
                    slower" protects against
     again          plain once more, on a stack of its own (A/A: again / plain): how far two identical servers
                    measured in turn differ in this run, the resolution of every ratio in its row
+    ov again       spec+overlap once more, on a stack of its own (ov A/A: ov again / spec+overlap): the adaptive
+                   rule's choices follow its timings, so two identical stacks can take different paths (up to 4%
+                   apart at 32 streams over 16 rounds). The ±2se beside ov/plain sees only the rounds of one stack.
 
 The modes' stacks are all up at once and take turns: each workload is cut into ``--rounds`` segments and every
 segment runs on every mode before the next (in a rotating order), so that the machine's drift (10% within minutes
@@ -175,6 +178,7 @@ class Row:
     overlapped: Run
     fixed: Run
     again: Run  # plain once more, on a stack of its own: plain again / plain is this run's noise floor
+    overlapped_again: Run  # spec+overlap once more, on a stack of its own: the adaptive rule's own A/A
 
 
 def prompts(tokenizer: Tokenizer, kind: str, n: int, max_new: int) -> list[Job]:
@@ -302,6 +306,7 @@ def bench(args: argparse.Namespace) -> list[Row]:
             "overlapped": Mode(mode_flags(algorithm, draft, True, True, args)),
             "fixed": Mode(mode_flags(algorithm, draft, True, False, args)),
             "again": Mode(mode_flags(None, None, True, True, args)),
+            "overlapped_again": Mode(mode_flags(algorithm, draft, True, True, args)),
         }
         runs = interleaved(target, modes, workloads, args.cores, args.rounds)
         for key in workloads:
@@ -458,7 +463,8 @@ def traversal_per_node(target: Path, tokenizer: Tokenizer, depth: int) -> None:
 
 _HEADER = (
     f"{'proposer':>8} {'prompts':>9} {'streams':>7} | {'plain':>7} {'spec':>7} {'spec+ov':>7} {'fixed':>7} tok/s | "
-    f"{'acc len':>7} {'fixed':>6} | {'ov/plain':>8} {'±2se':>5} {'ov/spec':>7} {'fixed/plain':>11} | {'A/A':>5}"
+    f"{'acc len':>7} {'fixed':>6} | {'ov/plain':>8} {'±2se':>5} {'ov/spec':>7} {'fixed/plain':>11} | {'A/A':>5} "
+    f"{'ov A/A':>6}"
 )
 
 
@@ -469,7 +475,8 @@ def _print_row(r: Row) -> None:
         f"{r.fixed.accept_length:6.2f} | {r.overlapped.tokens_per_s / r.plain.tokens_per_s:7.2f}x "
         f"{r.overlapped.resolution(r.plain):5.2f} "
         f"{r.overlapped.tokens_per_s / r.spec.tokens_per_s:6.2f}x {r.fixed.tokens_per_s / r.plain.tokens_per_s:10.2f}x "
-        f"| {r.again.tokens_per_s / r.plain.tokens_per_s:4.2f}x",
+        f"| {r.again.tokens_per_s / r.plain.tokens_per_s:4.2f}x "
+        f"{r.overlapped_again.tokens_per_s / r.overlapped.tokens_per_s:5.2f}x",
         flush=True,
     )
 
