@@ -214,14 +214,16 @@ class Positions:
             self.offered[k] += 1.0
             self.continued[k] += 1.0 if k < drafted else 0.0
 
-    def rate(self, k: int, prior: float, strength: float) -> float:
-        """α at position ``k`` (1-based): this record's rate there, leaning on ``prior`` with ``strength`` trials."""
-        return _leaning(self.accepted, self.trials, k - 1, prior, strength)
+    def rates(self, priors: Sequence[float], strength: float) -> list[float]:
+        """α at positions 1 .. len(``priors``): this record's rate at each, leaning on its prior with ``strength``
+        trials."""
+        return _leaning(self.accepted, self.trials, priors, strength)
 
-    def continuation(self, k: int, prior: float, strength: float) -> float:
-        """κ at position ``k`` (1-based): how often a draft planned at least k deep that drafted its k - 1 tokens before
-        drafts the k-th (1 at the first), leaning on ``prior`` with ``strength`` offers."""
-        return 1.0 if k <= 1 else _leaning(self.continued, self.offered, k - 1, prior, strength)
+    def continuations(self, priors: Sequence[float], strength: float) -> list[float]:
+        """κ at positions 1 .. len(``priors``): how often a draft planned at least k deep that drafted its k - 1 tokens
+        before drafts the k-th (1 at the first, whatever its prior), leaning on its prior with ``strength`` offers."""
+        leaning = _leaning(self.continued, self.offered, priors, strength)
+        return [1.0, *leaning[1:]] if leaning else leaning
 
 
 def _grow(total: list[float], hits: list[float], length: int) -> None:
@@ -230,9 +232,13 @@ def _grow(total: list[float], hits: list[float], length: int) -> None:
         hits.append(0.0)
 
 
-def _leaning(hits: list[float], total: list[float], i: int, prior: float, strength: float) -> float:
-    h, t = (hits[i], total[i]) if i < len(total) else (0.0, 0.0)
-    return (h + strength * prior) / (t + strength)
+def _leaning(hits: list[float], total: list[float], priors: Sequence[float], strength: float) -> list[float]:
+    """(hits + strength·prior) / (total + strength) at each position of ``priors``; positions never counted have the
+    prior alone. One pass per record, the engine-wide priors read once per plan: the rule reads every request's record
+    at every depth on every step, and a position at a time (each with its prior) planning a step of 256 requests took
+    2.3 ms of the scheduler's CPU, against 1.65 ms so (bench/spec_policy.py)."""
+    counted = len(total)
+    return [((hits[i] + strength * p) / (total[i] + strength)) if i < counted else p for i, p in enumerate(priors)]
 
 
 @dataclass(frozen=True)
@@ -390,9 +396,17 @@ class SpecPolicy:
 
     def alphas(self, req: RequestSpec, depth: int) -> list[float]:
         """α_1 .. α_depth for ``req``: its own rate at each position, leaning on the engine-wide one there."""
-        k = self.config.prior_tokens
+        return req.positions.rates(self._alpha_priors(depth), self.config.prior_tokens)
+
+    def _alpha_priors(self, depth: int) -> list[float]:
+        """The engine-wide α at positions 1 .. ``depth``: every request's prior, read once per plan."""
         # The engine-wide rate itself leans on an even prior of the same weight, so that it is never exactly 0 or 1.
-        return [req.positions.rate(d, self._engine.rate(d, 0.5, k), k) for d in range(1, depth + 1)]
+        return self._engine.rates([0.5] * depth, self.config.prior_tokens)
+
+    def _kappa_priors(self, depth: int) -> list[float]:
+        """The engine-wide κ at positions 1 .. ``depth``, which leans on 1: a proposer that never ends a draft early
+        drafts every position."""
+        return self._engine.continuations([1.0] * depth, self.config.prior_tokens)
 
     def _optimistic(self, req: RequestSpec, rates: list[float], optimism: float) -> list[float]:
         """``rates`` (``req``'s α) plus ``optimism`` standard errors of each estimate (its own trials and the prior's
@@ -406,8 +420,7 @@ class SpecPolicy:
     def continuations(self, req: RequestSpec, depth: int) -> list[float]:
         """κ_1 .. κ_depth for ``req``: how often its draft goes on to each position (κ_1 = 1), leaning on the
         engine-wide rate there, which leans on 1: a proposer that never ends a draft early drafts every position."""
-        k = self.config.prior_tokens
-        return [req.positions.continuation(d, self._engine.continuation(d, 1.0, k), k) for d in range(1, depth + 1)]
+        return req.positions.continuations(self._kappa_priors(depth), self.config.prior_tokens)
 
     def alpha(self, req: RequestSpec) -> float:
         """α_1: how often ``req``'s first draft token is accepted (what pauses a request whose drafts fail)."""
@@ -427,8 +440,10 @@ class SpecPolicy:
         # Chosen with each request's acceptance optimistic by optimism / B² standard errors (B drafting requests):
         # the choice is made on few verifies of a young request; judged (the margin) by the estimates themselves.
         optimism = self.config.optimism / drafting**2 if drafting else 0.0
-        kappas = [self.continuations(r, top) for r in live]
-        alphas = [self.alphas(r, top) for r in live]
+        k = self.config.prior_tokens
+        alpha_priors, kappa_priors = self._alpha_priors(top), self._kappa_priors(top)
+        kappas = [r.positions.continuations(kappa_priors, k) for r in live]
+        alphas = [r.positions.rates(alpha_priors, k) for r in live]
         chosen = [self._optimistic(r, rates, optimism) for r, rates in zip(live, alphas, strict=True)]
         model = _Modelled.of(kappas, chosen, top)
         expected = _Modelled.of(kappas, alphas, top).gained if optimism else model.gained

@@ -1,0 +1,69 @@
+"""The "never slower" rule's own CPU per step: what planning a step's depth (SpecPolicy.batch_depth) and recording its
+verifies (observe_request, once per request) cost the scheduler, by batch size.
+
+The rule reads every request's acceptance record at every draft position on every step, so its cost grows with the
+batch. It runs in the scheduler's loop, beside planning, commit and streaming (issue 14's budget: 3 ms of scheduler CPU
+a step at 128 streams). No services: the policy alone, in process, after a seeded warm-up that fits its cost model
+(plain decoding winning at every size, as at large batches) and gives every request five verifies. Best of five
+timings of 20 plans each.
+
+    .venv/bin/python bench/spec_policy.py [--batches 8 32 128 256] [--depth 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import SpecAlgorithm, SpeculativeConfig
+from engine.scheduler.spec_policy import RequestSpec, SpecPolicy
+
+
+def warmed(batch: int, depth: int) -> tuple[SpecPolicy, list[RequestSpec]]:
+    """A policy whose cost model has seen 100 steps of this batch (plain ones and explorations) and requests with
+    five verifies each."""
+    policy = SpecPolicy(SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=depth))
+    rng = random.Random(7)
+    reqs = [RequestSpec(length=100, left=1000) for _ in range(batch)]
+    for _ in range(100):
+        chosen = policy.batch_depth(reqs)
+        drafted = sum(1 for r in reqs if policy.request_depth(r, chosen))
+        tokens = batch + chosen * drafted
+        draft = (0.3 + 0.05 * chosen * drafted) * 1e-3 if drafted else 0.0
+        policy.observe_step(tokens, chosen, drafted, (2.0 + 0.5 * tokens) * 1e-3 + draft, draft, policy.take_catch_up())
+    for r in reqs:
+        for _ in range(5):
+            policy.observe_request(r, depth, rng.randint(0, depth))
+    return policy, reqs
+
+
+def best_ms(run: object, repeats: int = 20) -> float:
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            run()  # type: ignore[operator]
+        best = min(best, (time.perf_counter() - started) / repeats * 1e3)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 128, 256])
+    parser.add_argument("--depth", type=int, default=6, help="the draft depth (--speculative-num-steps)")
+    args = parser.parse_args()
+    print(f"{'batch':>6} | {'plan ms':>8} {'verifies ms':>11} {'total ms/step':>13}")
+    for batch in args.batches:
+        policy, reqs = warmed(batch, args.depth)
+        plan = best_ms(lambda policy=policy, reqs=reqs: policy.batch_depth(reqs))
+        verifies = best_ms(lambda policy=policy, reqs=reqs: [policy.observe_request(r, 0, 0) for r in reqs])
+        print(f"{batch:>6} | {plan:8.3f} {verifies:11.3f} {plan + verifies:13.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
