@@ -80,7 +80,10 @@ class SpeculativeConfig:
     ``draft_min_prob`` (algorithm DRAFT): a draft model's draft ends after its first spine token it gives less than
     this probability (Hugging Face's ``assistant_confidence_threshold``): past a token the draft is unsure of, its
     next ones are rarely accepted and each costs a verify row, which is what lets a deeper draft pay (the embedded
-    draft at one stream: docs/speculative.md); 0 drafts every request to its depth."""
+    draft at one stream: docs/speculative.md); 0 drafts every request to its depth. ``disable_by_batch_size`` (vLLM's
+    ``--speculative-disable-by-batch-size``): a step with more decoding requests than this decodes plainly, whatever
+    the adaptive rule would choose (0: never); for an operator who knows where speculation stops paying on a machine,
+    with none of the rule's exploring above it."""
 
     algorithm: SpecAlgorithm = SpecAlgorithm.NONE
     draft_model_path: str | None = None
@@ -90,6 +93,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     draft_grammar: bool = False
     draft_min_prob: float = 0.6
+    disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_steps == 0:
@@ -101,6 +105,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative num_draft_tokens must be >= 2 (the pending token and at least one draft), got "
                 f"{self.num_draft_tokens}"
+            )
+        if self.disable_by_batch_size < 0:
+            raise ValueError(
+                f"speculative disable_by_batch_size must be >= 0 (0: never), got {self.disable_by_batch_size}"
             )
         if not 0.0 <= self.draft_min_prob < 1.0:
             raise ValueError(f"speculative draft_min_prob must be in [0, 1), got {self.draft_min_prob}")

@@ -324,6 +324,14 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         "assistant_confidence_threshold): fewer verify rows for tokens that would be rejected, so deeper drafts pay; "
         "0 drafts to the full depth. In [0, 1); the output is the same either way",
     )
+    spec.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=defaults.disable_by_batch_size,
+        metavar="N",
+        help="a step with more than N decoding requests decodes plainly (vLLM's flag), whatever the adaptive rule "
+        "would choose and without its exploring; default 0: never",
+    )
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
@@ -340,6 +348,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
             adaptive=args.speculative_adaptive == "on",
             draft_grammar=args.speculative_draft_grammar == "on",
             draft_min_prob=args.speculative_draft_min_prob,
+            disable_by_batch_size=args.speculative_disable_by_batch_size,
         )
     except ValueError as error:
         raise SystemExit(f"ordinal: {error}") from error
@@ -404,6 +413,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--speculative-adaptive", args.speculative_adaptive]
         argv += ["--speculative-draft-grammar", args.speculative_draft_grammar]
         argv += ["--speculative-draft-min-prob", str(args.speculative_draft_min_prob)]
+        argv += ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
         if args.speculative_draft_model_path:
             argv += ["--speculative-draft-model-path", args.speculative_draft_model_path]
         if args.speculative_num_draft_tokens:

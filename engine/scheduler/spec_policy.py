@@ -324,6 +324,9 @@ class SpecPolicy:
         """The draft depth for a step whose decodes are ``requests``."""
         top = self.spec.draft_nodes
         self._explorers = None
+        cap = self.spec.disable_by_batch_size
+        if cap and len(requests) > cap:
+            return 0  # the operator's bound (--speculative-disable-by-batch-size): plain, and nothing explored
         if not self.spec.adaptive or top == 0 or not requests:
             return top
         choice = self._best_depth(requests)

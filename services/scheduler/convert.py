@@ -420,6 +420,7 @@ def _speculative_args(spec: SpeculativeConfig) -> dict[str, object]:
         "speculative_num_draft_tokens": spec.draft_nodes + 1,
         "speculative_draft_grammar": spec.draft_grammar,  # ordinal's own: the draft model drafts under the grammar
         "speculative_draft_min_prob": spec.draft_min_prob,  # ordinal's own: a draft ends after a token it is unsure of
+        "speculative_disable_by_batch_size": spec.disable_by_batch_size,  # vLLM's: plain above this many decodes
     }
 
 

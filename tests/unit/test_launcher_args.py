@@ -116,12 +116,32 @@ def test_speculative_flags_round_trip_the_draft_grammar_option_included() -> Non
     flags = ["--model", "/m", "--speculative-algorithm", "draft", "--speculative-draft-model-path", "/d"]
     flags += ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-adaptive", "off"]
     flags += ["--speculative-draft-grammar", "on", "--speculative-draft-min-prob", "0.3"]
+    flags += ["--speculative-disable-by-batch-size", "16"]
     args = parser.parse_args(flags)
     again = parser.parse_args(["--model", "/m", *engine_argv(args)])
     want = SpeculativeConfig(
-        SpecAlgorithm.DRAFT, "/d", num_steps=3, topk=2, adaptive=False, draft_grammar=True, draft_min_prob=0.3
+        SpecAlgorithm.DRAFT,
+        "/d",
+        num_steps=3,
+        topk=2,
+        adaptive=False,
+        draft_grammar=True,
+        draft_min_prob=0.3,
+        disable_by_batch_size=16,
     )
     assert engine_config(args).speculative == engine_config(again).speculative == want
+
+
+def test_a_negative_speculation_batch_bound_is_refused_at_start() -> None:
+    """--speculative-disable-by-batch-size takes a count of requests, 0 (the default) for no bound."""
+    parser = _engine_parser()
+    args = parser.parse_args(["--model", "/m", "--speculative-algorithm", "ngram"])
+    assert engine_config(args).speculative.disable_by_batch_size == 0
+    args = parser.parse_args(
+        ["--model", "/m", "--speculative-algorithm", "ngram", "--speculative-disable-by-batch-size", "-1"]
+    )
+    with pytest.raises(SystemExit, match="disable_by_batch_size must be >= 0 \\(0: never\\), got -1"):
+        engine_config(args)
 
 
 def test_the_draft_depth_defaults_per_algorithm_and_the_draft_bar_is_checked() -> None:
@@ -501,6 +521,16 @@ def test_the_gateway_is_a_dependency_and_its_absence_is_named(monkeypatch: pytes
         SystemExit, match=r"smg gateway is not installed \(pip install smg==1.13.0\), or use --no-gateway"
     ):
         gateway.find_smg()
+
+
+def test_serve_refuses_a_bad_engine_flag_before_starting_any_service(capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad engine flag (here a negative --speculative-disable-by-batch-size) ends `ordinal serve` with the flag's
+    message at once: no service is started (it used to start the grammar service and fail in the executor)."""
+    argv = ["serve", "--no-gateway", "--speculative-algorithm", "ngram", "--speculative-disable-by-batch-size", "-1"]
+    with pytest.raises(SystemExit, match="disable_by_batch_size must be >= 0"):
+        main(argv)
+    captured = capsys.readouterr()
+    assert "starting" not in captured.out + captured.err
 
 
 def test_the_executor_leaves_a_core_to_the_others_on_a_cpu_device() -> None:

@@ -6,6 +6,8 @@ everything else (allocator, slots, prefix cache, stop checks, lifecycle) is the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.config import EngineConfig, SpecAlgorithm, SpeculativeConfig
@@ -307,6 +309,19 @@ def test_a_run_past_a_stop_token_is_cut_there() -> None:
     assert final.finish is not None and final.finish.reason is FinishReason.STOP and final.finish.matched_token == EOS
     assert s.cache is not None and s.cache.num_cached == 1  # prompt 3 + kept KV 2 = 5 positions: one page of 4
     _baseline(s)
+
+
+def test_above_the_operators_batch_bound_decodes_draft_nothing() -> None:
+    """--speculative-disable-by-batch-size 1: a lone decode drafts its full depth; with a second request decoding
+    beside it, the step plans no draft for either (and it is no exploring step: the fixed depth here would draft
+    every request). Fails if the bound is not applied (checked: both entries carry 3 drafts)."""
+    spec = replace(_spec(3), disable_by_batch_size=1)
+    (alone,) = _decoding(_sched(speculative=spec), "a", max_new=10).entries
+    assert alone.num_draft == 3
+    s = _sched(speculative=spec)
+    s.add(_req("b", 3, max_new=10))
+    decode = _decoding(s, "a", max_new=10)
+    assert [(e.request_id, e.num_draft) for e in decode.entries] == [("b", 0), ("a", 0)]
 
 
 def test_drafts_never_let_a_run_outgrow_max_new_tokens() -> None:

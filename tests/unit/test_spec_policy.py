@@ -392,6 +392,19 @@ def test_a_draft_that_ends_early_is_modelled_as_drafted_not_as_rejected() -> Non
     assert 2.0 < model.rows[4] < 2.2 and model.longest[4] == pytest.approx(model.rows[4])
 
 
+def test_above_the_operators_batch_bound_the_rule_neither_drafts_nor_explores() -> None:
+    """--speculative-disable-by-batch-size 4 where drafting pays at every size (cheap verify, acceptance 0.8): a batch
+    of 4 drafts, a batch of 8 decodes plainly on every step, exploring steps included. Fails without the bound
+    (checked: the batch of 8 drafts in 194 of the 200 steps)."""
+    spec = SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=4, disable_by_batch_size=4)
+    machine = Machine(fixed=2.0, per_token=0.05, draft_fixed=0.3, draft_per_request=0.01)
+    drafting: list[int] = []
+    assert _drive(SpecPolicy(spec), machine, batch=8, alpha=0.8, steps=200, drafting=drafting) == [0] * 200
+    assert drafting == [0] * 200
+    chosen = _drive(SpecPolicy(spec), machine, batch=4, alpha=0.8, steps=200)
+    assert chosen[-100:].count(4) >= 90
+
+
 def test_adaptive_off_always_drafts_the_full_depth() -> None:
     policy = SpecPolicy(SpeculativeConfig(SpecAlgorithm.NGRAM, num_steps=3, adaptive=False))
     machine = Machine(fixed=1.0, per_token=5.0, draft_fixed=0.0, draft_per_request=0.0)
