@@ -285,7 +285,10 @@ class Endpoints:
 def serve(args: argparse.Namespace) -> int:
     """Start grammar, executor, scheduler and gateway; block until a signal or a service dies. The exit code."""
     _check_ports(args)
-    engine_config(args)  # a bad engine flag is a usage error here, before any service starts (each checks it again)
+    try:  # a bad engine flag is a usage error here, before any service starts (each checks it again)
+        engine_config(args)
+    except ValueError as error:
+        raise SystemExit(f"ordinal serve: {error}") from error
     _pin_apart(args.executor_cpus)
     smg = None if args.no_gateway else find_smg()  # before anything starts: a missing gateway is a usage error
     model_dir = model_folder(args.model)

@@ -524,11 +524,14 @@ def test_the_gateway_is_a_dependency_and_its_absence_is_named(monkeypatch: pytes
 
 
 def test_serve_refuses_a_bad_engine_flag_before_starting_any_service(capsys: pytest.CaptureFixture[str]) -> None:
-    """A bad engine flag (here a negative --speculative-disable-by-batch-size) ends `ordinal serve` with the flag's
-    message at once: no service is started (it used to start the grammar service and fail in the executor)."""
+    """A bad engine flag (a negative --speculative-disable-by-batch-size, a page size of 0) ends `ordinal serve` with
+    the flag's message at once: no service is started (it used to start the grammar service and fail in the
+    executor)."""
     argv = ["serve", "--no-gateway", "--speculative-algorithm", "ngram", "--speculative-disable-by-batch-size", "-1"]
     with pytest.raises(SystemExit, match="disable_by_batch_size must be >= 0"):
         main(argv)
+    with pytest.raises(SystemExit, match="ordinal serve: page_size must be >= 1, got 0"):
+        main(["serve", "--no-gateway", "--page-size", "0"])
     captured = capsys.readouterr()
     assert "starting" not in captured.out + captured.err
 
