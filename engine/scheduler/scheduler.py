@@ -40,6 +40,7 @@ from engine.grammar_calls import CommitOutcome as GrammarCommitOutcome
 from engine.kv.allocator import PageAllocator
 from engine.kv.prefix_cache import RadixNode, RadixPrefixCache
 from engine.kv.slots import SlotTable
+from engine.scheduler.batch_verdict import PlannedBatch
 from engine.scheduler.request import Request, RequestOutput, RequestState, SpecCounts, TokenLogprob
 from engine.scheduler.spec_policy import SpecPolicy
 from engine.step import NewRequest, SampledRun, StepEntry, StepPlan, StepResult
@@ -385,7 +386,13 @@ class Scheduler:
         depth = max((run.num_drafted for run in result.runs), default=0)
         timing = result.timing
         seconds = max(timing.done, period_s) if period_s is not None else timing.done
-        self._policy.observe_step(forward_tokens, depth, drafted, seconds, timing.draft_seconds, inflight.catch_up)
+        entries = inflight.plan.entries
+        planned = PlannedBatch(
+            len(entries), sum(1 for e in entries if e.num_draft), max((e.num_draft for e in entries), default=0)
+        )
+        self._policy.observe_step(
+            forward_tokens, depth, drafted, seconds, timing.draft_seconds, inflight.catch_up, planned
+        )
 
     def finish_commit(self, pending: PendingCommit, grammar: Sequence[GrammarCommitOutcome]) -> CommitOutcome:
         """Phase 2: ``grammar`` answers ``pending.grammar`` in order. A run the grammar ended early is cut there

@@ -83,6 +83,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SpeculativeConfig
+from engine.scheduler.batch_verdict import BatchVerdict, PlannedBatch, Verdict, VerdictConfig
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class SpecPolicyConfig:
     min_alpha: float = 0.1
     pause: int = 8
     max_pause: int = 256
+    verdict: VerdictConfig = field(default_factory=VerdictConfig)  # a large batch: whether it drafts, as measured
 
 
 class _LinearFit:
@@ -310,10 +312,12 @@ class SpecPolicy:
     _explorers: set[int] | None = None  # id() of the exploring step's drafting requests; None: not exploring
     _explored_shallow: bool = False  # the last exploring step drafted depth 1 (see _exploring_depth)
     _catch_up: int = 0  # catch-up tokens of the requests drafting in the step being planned (take_catch_up)
+    _verdict: BatchVerdict = field(init=False)  # a large batch: whole-batch drafting as measured
 
     def __post_init__(self) -> None:
         self._verify = _LinearFit(self.config.forgetting)
         self._draft = _LinearFit(self.config.forgetting, 4)
+        self._verdict = BatchVerdict(self.config.verdict)
         self._explore_gap = self.config.explore_every
         self._plain_gap = self.config.explore_every
         self._next_plain = self.config.explore_every - 1
@@ -329,6 +333,16 @@ class SpecPolicy:
             return 0  # the operator's bound (--speculative-disable-by-batch-size): plain, and nothing explored
         if not self.spec.adaptive or top == 0 or not requests:
             return top
+        verdict = self._judge(requests)
+        if verdict is Verdict.PROBE:
+            return top
+        if verdict is Verdict.DRAFT:
+            self._explore_gap = self.config.explore_every
+            return self._probe_plain(top, self._verdict.ratio)
+        if verdict is Verdict.PLAIN:
+            return 0
+        if verdict is Verdict.EXPLORE:
+            return self._explore(requests)
         choice = self._best_depth(requests)
         if choice is None:
             return 0 if self._step % 2 else top  # learning: the cost model needs two step sizes to mean anything
@@ -337,6 +351,19 @@ class SpecPolicy:
             return self._explore_drafting(requests)
         self._explore_gap = self.config.explore_every  # drafting pays: a plain step now and then keeps it honest
         return self._probe_plain(best, margin)
+
+    def _judge(self, requests: list[RequestSpec]) -> Verdict | None:
+        """The measured verdict on the whole batch drafting (None: a batch too small for it; the model decides)."""
+        live = [r for r in requests if self._step >= r.paused_until]
+        if len(live) < self._verdict.config.from_requests:
+            return None
+        behind = [(r.catch_up() - 1, r) for r in live if r.catch_up() > 1]
+        if not behind:
+            return self._verdict.judge(len(live), self._step, 0.0, 0.0)
+        per_token = self._draft_weights()[3]
+        catch_up = per_token * sum(tokens for tokens, _ in behind)
+        switch = per_token * self._switch_share(behind, self._verdict.tokens)
+        return self._verdict.judge(len(live), self._step, catch_up, switch)
 
     def _probe_plain(self, best: int, margin: float) -> int:
         """While drafting pays: ``best``, but depth 0 once per gap. The gap is ``explore_every`` while the margin of
@@ -362,6 +389,10 @@ class SpecPolicy:
             return 0
         self._next_explore = self._step + self._explore_gap
         self._explore_gap = min(2 * self._explore_gap, self.config.max_explore_every)
+        return self._explore(requests)
+
+    def _explore(self, requests: list[RequestSpec]) -> int:
+        """An exploring step's depth, its drafting requests chosen."""
         # Only a few requests draft: their verifies and the step's size say what drafting would pay, and the cost of
         # finding out stays small. Those whose drafts are the most caught up: each drafting request's draft model
         # first reads everything it missed (at 32 streams, a request that never drafted or last explored 128 steps
@@ -514,10 +545,12 @@ class SpecPolicy:
         seconds: float,
         draft_seconds: float,
         catch_up: int = 0,
+        planned: PlannedBatch | None = None,
     ) -> None:
-        """A committed pure decode step: ``forward_tokens`` through the model, ``drafted`` requests drafted at
-        ``depth`` with ``catch_up`` tokens to read first (take_catch_up when it was planned); the executor took
-        ``seconds``, ``draft_seconds`` of them in the proposer."""
+        """A committed pure decode step, ``planned`` as it was (None: not told, and the measured verdict learns
+        nothing from it): ``forward_tokens`` through the model, ``drafted`` requests drafted at ``depth`` with
+        ``catch_up`` tokens to read first (take_catch_up when it was planned); the executor took ``seconds``,
+        ``draft_seconds`` of them in the proposer."""
         self._step += 1
         if not drafted:  # the engine-wide rates fade in time as a request's do (observe_request)
             self._engine.decay(self.config.forgetting)
@@ -528,6 +561,8 @@ class SpecPolicy:
             self._sizes.add(forward_tokens)
         if depth and drafted:
             self._draft.add((1.0, float(depth), float(depth * drafted), float(catch_up)), draft_seconds)
+        if planned is not None:
+            self._verdict.observe_step(planned, self.spec.draft_nodes, seconds, catch_up, self._step)
 
     def tick(self) -> None:
         """A step that says nothing about the cost (a prefill chunk in it) still counts for pauses and exploring."""
@@ -540,6 +575,8 @@ class SpecPolicy:
         # Forgotten in time too, not only by newer verifies: a request that stopped drafting on a poor start (a rate
         # that rules depth 0 gets no verify to correct it) drifts back to the prior and is tried again.
         req.positions.decay(lam)
+        if (drafted if planned is None else planned) == self.spec.draft_nodes:
+            self._verdict.observe_verify(accepted)  # a full-depth draft's tokens, drafted or not (no n-gram match)
         if not drafted:
             return
         req.positions.add(drafted, accepted, planned)

@@ -17,6 +17,7 @@ from engine.finish import AbortCause, FinishReason
 from engine.grammar_calls import CommitOutcome as GrammarOutcome
 from engine.grammar_calls import CommitResult, Refusal, mask_refused, masks_unavailable
 from engine.sampling_params import SamplingParams
+from engine.scheduler.batch_verdict import regime
 from engine.scheduler.request import IllegalTransitionError, Request, RequestState
 from engine.scheduler.scheduler import CommitOutcome, Scheduler
 from engine.scheduler.stop import StopChecker
@@ -322,6 +323,33 @@ def test_above_the_operators_batch_bound_decodes_draft_nothing() -> None:
     s.add(_req("b", 3, max_new=10))
     decode = _decoding(s, "a", max_new=10)
     assert [(e.request_id, e.num_draft) for e in decode.entries] == [("b", 0), ("a", 0)]
+
+
+def test_each_decode_steps_batch_and_planned_depth_reach_the_measured_verdict() -> None:
+    """The measured verdict (engine/scheduler/batch_verdict.py) keeps what a step costs a request per batch regime: a
+    plain step's, and a whole-batch draft's at the full depth. It needs from each committed pure decode step its
+    decodes and the depth it was planned at. Six requests decoding under adaptive n-gram speculation, every step
+    taking 6 ms, every draft accepted: once a plain step and a whole-batch draft (the rule's first steps alternate the
+    two) have committed,
+    the six-request regime holds both costs, 1 ms a request. Fails if the scheduler does not report the step's
+    decodes or its planned depth (checked: no cost measured)."""
+    s = _sched(speculative=SpeculativeConfig(SpecAlgorithm.NGRAM, num_draft_tokens=4), max_running=8)
+    for i in range(6):
+        s.add(_req(f"r{i}", 3, max_new=20))
+    timing, committed = StepTiming(done=0.006), {f"r{i}": 0 for i in range(6)}
+    for _ in range(8):
+        plan = s.plan()
+        assert plan is not None
+        runs = tuple(  # every draft token accepted
+            SampledRun(e.request_id, committed[e.request_id], (7,) * (1 + e.num_draft), e.num_draft, e.num_draft)
+            for e in plan.entries
+            if e.sample
+        )
+        for run in runs:
+            committed[run.request_id] += len(run.token_ids)
+        _commit(s, StepResult(plan.step_id, runs, timing))
+    here = s._policy._verdict._regimes[regime(6)]
+    assert here.plain == pytest.approx(0.001) and here.draft == pytest.approx(0.001), here
 
 
 def test_drafts_never_let_a_run_outgrow_max_new_tokens() -> None:

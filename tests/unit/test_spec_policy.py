@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 
 import pytest
 
 from engine.config import SpecAlgorithm, SpeculativeConfig
+from engine.scheduler.batch_verdict import PlannedBatch, VerdictConfig
 from engine.scheduler.spec_policy import RequestSpec, SpecPolicy, SpecPolicyConfig, _LinearFit, _Modelled
 
 SPEC = SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=4)
+# The model alone, at every batch size: the measured verdict (batch_verdict) judges no batch. The model still decides
+# every batch under the verdict's from_requests, and a large one whose whole-batch draft is not measured yet.
+MODEL_ONLY = SpecPolicyConfig(verdict=VerdictConfig(from_requests=sys.maxsize))
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,10 @@ def _drive(
         reqs = everyone[: batch - rng.randint(0, vary)] if vary else everyone
         depth = policy.batch_depth(reqs)
         chosen.append(depth)
-        tokens = drafted = 0
+        tokens = drafted = planned = 0
         for req in reqs:
             d = policy.request_depth(req, depth)
+            planned = max(planned, d)
             accepted = 0
             while accepted < d and rng.random() < rates[min(accepted, len(rates) - 1)]:
                 accepted += 1
@@ -81,7 +87,8 @@ def _drive(
         if noise:
             scale = rng.lognormvariate(0.0, noise)
             seconds, draft_seconds = seconds * scale, draft_seconds * scale
-        policy.observe_step(tokens, depth, drafted, seconds, draft_seconds, catch_up)
+        as_planned = PlannedBatch(len(reqs), drafted, planned)
+        policy.observe_step(tokens, depth, drafted, seconds, draft_seconds, catch_up, as_planned)
         if drafting is not None:
             drafting.append(drafted)
     return chosen
@@ -176,10 +183,17 @@ class _Measured(SpecPolicy):
         super().observe_request(req, drafted, accepted, planned)
 
     def observe_step(
-        self, forward_tokens: int, depth: int, drafted: int, seconds: float, draft_seconds: float, catch_up: int = 0
+        self,
+        forward_tokens: int,
+        depth: int,
+        drafted: int,
+        seconds: float,
+        draft_seconds: float,
+        catch_up: int = 0,
+        planned: PlannedBatch | None = None,
     ) -> None:
         self.seconds += seconds
-        super().observe_step(forward_tokens, depth, drafted, seconds, draft_seconds, catch_up)
+        super().observe_step(forward_tokens, depth, drafted, seconds, draft_seconds, catch_up, planned)
 
 
 def test_a_poor_draft_costs_a_lone_stream_little() -> None:
@@ -229,13 +243,57 @@ def test_a_noisy_host_does_not_make_a_large_batch_draft() -> None:
     drafting step's 60-160 tokens a low estimate made drafting look faster (a 32-stream bench run read 0.86x plain).
     A modelled win narrower than ``sure_margin`` (1.3x) must hold at the fit's upper estimate of the verify's cost,
     which grows with the distance from what was measured. Fails without that check (checked: 5 of the last 340 steps
-    drafted the whole batch, 12 drafted at all); with it only the exploring steps draft (3, each for 4 requests)."""
-    policy = SpecPolicy(SPEC)
+    drafted the whole batch, 12 drafted at all); with it only the exploring steps draft (3, each for 4 requests).
+    With the measured verdict (batch_verdict), which judges this batch once it has measured a whole-batch draft, the
+    whole batch drafts only in the verdict's probes: one at the start, and one refresh of at most ``probe_steps``
+    steps (its steady ratio, about 0.8x, is within reach of the break-even, and this draft reads no catch-up)."""
     machine = Machine(fixed=6.0, per_token=0.2, draft_fixed=0.3, draft_per_request=0.05, draft_call=1.0)
     drafting: list[int] = []
-    chosen = _drive(policy, machine, batch=32, alpha=0.6, steps=400, drafting=drafting, noise=0.2, vary=4)
+    chosen = _drive(SpecPolicy(SPEC, MODEL_ONLY), machine, 32, 0.6, 400, drafting=drafting, noise=0.2, vary=4)
     whole = [i for i in range(60, 400) if chosen[i] and drafting[i] > 4]
     assert not whole, whole
+    drafting = []
+    chosen = _drive(SpecPolicy(SPEC), machine, batch=32, alpha=0.6, steps=400, drafting=drafting, noise=0.2, vary=4)
+    whole = [i for i in range(60, 400) if chosen[i] and drafting[i] > 4]
+    assert len(whole) <= VerdictConfig().probe_steps and whole == list(range(whole[0], whole[-1] + 1)), whole
+
+
+def test_a_large_batch_drafts_where_measured_whole_batch_drafts_pay_though_the_model_says_otherwise() -> None:
+    """Batch 32 of requests renewed every 100 steps, acceptance 0.85, where drafting the full depth is about 1.25x
+    plain's rate: a verify row costs 0.1, and the draft model's forward costs 1.0 whatever the batch (0.005 a
+    request). Its first 60 steps ran slow (a draft call of 3, as cold caches and first catch-ups make them), so both
+    rules first find drafting a loss. The model alone then learns the draft's cost only from four-request
+    explorations, which cannot tell a forward's cost from a request's, and charges 32 requests eight times what four
+    cost: it stays plain (0.94x). The measured verdict probes the whole batch again once the drafts' catch-up is
+    cheap (new requests), measures the real cost and drafts (1.13x). Fails without the verdict (checked: the model
+    alone drafts the whole batch in none of the last 300 steps)."""
+    machine = Machine(fixed=6.0, per_token=0.1, draft_fixed=1.0, draft_per_request=0.005, draft_call=0.5, catch_up=0.01)
+    cold = replace(machine, draft_fixed=3.0, draft_per_request=0.05, draft_call=3.0)
+    plain_rate = 32 / machine.times(32, 0, 0)[0]
+    rates = []
+    for config in (MODEL_ONLY, SpecPolicyConfig()):
+        policy = _Measured(SPEC, config)
+        drafting: list[int] = []
+        _drive(policy, machine, 32, 0.85, 600, drafting=drafting, start=(cold, 60), noise=0.1, vary=4, renew=100)
+        rates.append(policy.tokens / policy.seconds / plain_rate)
+        whole = sum(1 for d in drafting[-300:] if d > 4)
+        assert whole == 0 if config is MODEL_ONLY else whole >= 250, (config, whole)
+    assert rates[0] < 0.97 and rates[1] > 1.1, rates
+
+
+def test_a_full_depth_draft_that_found_nothing_counts_as_one_token_for_the_measured_verdict() -> None:
+    """The measured verdict weighs the tokens a step planned at the full depth keeps. An n-gram lookup that finds no
+    match drafts nothing for a request given the full depth: that request's step kept one token, and the verdict
+    counts it so. Fails if only drafted runs are counted (checked: it reads 5 tokens a verify after the misses, as
+    before them, and would have a batch of unmatched n-gram lookups draft)."""
+    policy = SpecPolicy(SPEC)
+    req = RequestSpec()
+    for _ in range(100):
+        policy.observe_request(req, drafted=4, accepted=4, planned=4)
+    assert policy._verdict.tokens == pytest.approx(5.0)
+    for _ in range(100):
+        policy.observe_request(req, drafted=0, accepted=0, planned=4)
+    assert policy._verdict.tokens < 1.1
 
 
 def test_noise_does_not_stop_drafting_where_it_pays() -> None:
@@ -255,8 +313,10 @@ def test_an_exploring_steps_catch_up_is_not_taken_for_the_drafts_own_cost() -> N
     exploration (30-130 tokens each), which costs more than the draft itself. The fit tells that catch-up from the
     draft's call and depths (its fourth feature, the catch-up counted per request from its length), the rule plans
     the steady catch-up (a token or so per request) and drafts. Fails with the catch-up left out of the fit (checked:
-    the call's cost is then fitted at 2.7 instead of 0.6 and the rule decodes plainly in 199 of the last 200 steps)."""
-    policy = SpecPolicy(SPEC)
+    the call's cost is then fitted at 2.7 instead of 0.6 and the rule decodes plainly in 199 of the last 200 steps).
+    The model alone: the measured verdict weighs the full depth against plain only, and here only a shallower draft
+    pays."""
+    policy = SpecPolicy(SPEC, MODEL_ONLY)
     machine = Machine(
         fixed=6.0, per_token=0.12, draft_fixed=0.05, draft_per_request=0.01, draft_call=0.5, catch_up=0.025
     )
@@ -272,8 +332,8 @@ def test_a_batch_whose_drafts_are_behind_switches_to_drafting_only_where_the_cat
     same batch 30 plain tokens later, with 20 tokens left each, does not: its draft would first read 960 tokens (24,
     the time of 2.4 plain steps) that the few steps left at 6.5% never win back. With a long way to go (2,000 tokens
     left) the switch pays and it drafts. Fails if the catch-up of a switch is not charged (checked: the batch behind
-    with 20 left drafts depth 1)."""
-    policy = SpecPolicy(SPEC)
+    with 20 left drafts depth 1). The model alone, whose switch charge this is (the verdict's is the same share)."""
+    policy = SpecPolicy(SPEC, MODEL_ONLY)
     machine = Machine(
         fixed=6.0, per_token=0.12, draft_fixed=0.05, draft_per_request=0.01, draft_call=0.5, catch_up=0.025
     )
@@ -292,8 +352,9 @@ def test_a_batch_whose_drafts_are_behind_switches_to_drafting_only_where_the_cat
 def test_an_exploring_step_drafts_for_the_requests_whose_drafts_are_most_caught_up() -> None:
     """While plain decoding wins at batch 32, an exploring step drafts for four requests, and each first reads what
     its draft missed: the four with the least to read are the ones chosen, wherever they are in the step's order.
-    Fails if the first four in the step's order explore instead (checked: requests 0-3, 100-103 tokens behind)."""
-    policy = SpecPolicy(SPEC)
+    Fails if the first four in the step's order explore instead (checked: requests 0-3, 100-103 tokens behind). The
+    model's exploring schedule forced here; the verdict's explorations choose their requests the same way."""
+    policy = SpecPolicy(SPEC, MODEL_ONLY)
     machine = Machine(fixed=2.0, per_token=0.5, draft_fixed=0.3, draft_per_request=0.05)
     _drive(policy, machine, batch=32, alpha=0.5, steps=100)
     reqs = [RequestSpec(length=300, fed=300 - 100 - i) for i in range(28)]
