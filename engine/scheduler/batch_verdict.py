@@ -4,30 +4,37 @@ At a large batch the spec rule's model (spec_policy) extrapolates: its verify co
 (a drafting step's rows priced as requests), its draft cost on steps where four requests explore (a forward's cost
 taken as a request's), and its acceptance leans on an engine-wide record that fades during plain stretches. At 32
 streams on a 2-core host it modelled a full-depth step at 46 ms for 88 tokens, where one measured 24 ms for 142
-(docs/speculative.md, eighteenth session). It also costs: 0.26 ms of scheduler CPU a step at 32 requests, 4% of a
-plain step there.
+(docs/speculative.md, eighteenth session). It also costs 0.26 ms of scheduler CPU a step at 32 requests.
 
 The verdict does not extrapolate. Per batch regime (the batch's size to the nearest power of two), it keeps what a
 step costs a request, measured: a plain step's, and a steady whole-batch draft's at the full depth (one whose drafts
-read a token or so each first: a switch's catch-up is not the steady cost). With the tokens a full-depth verify
-keeps (measured on every such verify, whichever requests drafted), drafting's rate over plain's is
+read a token or so each first: a switch's catch-up is not the steady cost); and, engine-wide, the tokens a full-depth
+verify keeps, a step's verifies averaged as one sample. Drafting's rate over plain's is then
 
     ratio = tokens per verify · plain cost / (draft cost + switch)
 
 where ``switch`` is, while the batch decodes plainly, the catch-up its drafts would read first (the draft model's
 cost per token, times each request's catch-up spread over the steps it has left: spec_policy's ``_switch_share``),
-per request. The batch drafts while the ratio exceeds ``stay``, and starts only above ``enter``: the two apart so
-that noise near the break-even does not flip it back and forth, each switch re-reading what its drafts missed.
-While plain, a few requests draft now and then (the rule's exploring step, after gaps that double per regime), and
-their verifies keep the tokens per verify current.
+per request.
 
-The draft cost is measured by a probe: the whole batch drafts at the full depth until ``probe_measures`` steady steps
-are measured. A probe pays its drafts' catch-up whole, and where plain then wins its few steps win none of it back,
-so a probe is taken only where the catch-up is cheap (at most ``probe_catch_up`` plain steps): typically a batch of
-new requests, whose drafts read only their prompts. Until then the model decides. The cost a probe measures belongs
-to the machine and the batch size, not to the prompts, so it is kept; it is probed again (``refresh`` steps on, the
-gap doubling) only while plain wins and only where a cost off by a third could change the verdict (a steady ratio
-of at least ``refresh_floor``): a first measure taken cold, or on a machine since less loaded, is corrected there.
+A batch starts drafting only on a probe's measure: the whole batch drafts at the full depth until ``probe_measures``
+steady steps are measured, then decodes plainly for ``pair_measures`` steps, and both costs and the tokens are taken
+afresh from those steps. Paired, because a step's cost moves with its requests' lengths (at 32 streams here, plain
+steps of one batch went from 6 ms to 9 ms as it wrote its 96 tokens), so a draft measured on a new batch against a
+plain cost measured at the end of the last one read a loss of 14% as a win of 30%. The batch drafts where the probe's
+ratio exceeds ``enter`` and goes on while it exceeds ``stay``. Both leave a margin for what a step's cost does not
+hold: a whole batch's drafts beside a prefill (steps that carry prefill chunks measure nothing; at 32 streams such a
+step with the batch drafting cost five plain ones) and a batch whose requests end at different steps. While plain, a
+few requests draft now and then (the rule's exploring steps, after gaps that double per regime): their verifies
+keep the tokens current, and where they promise drafting pays, the batch probes again (at most once per
+``promise_gap`` steps), never drafting on their word alone.
+
+A probe pays its drafts' catch-up whole, and where plain then wins its few steps win none of it back, so a probe is
+taken only where the catch-up is cheap (at most ``probe_catch_up`` plain steps: typically a batch of new requests,
+whose drafts read only their prompts) and no request is waiting or prefilling. Until a regime is probed the model
+decides. Its costs belong to the machine and the batch size more than to the prompts; they are probed again while
+plain wins only after ``refresh`` steps (the gap doubling) and only where a cost off by a third could change the
+verdict (a ratio of at least ``refresh_floor``): a first measure taken cold, or on a machine since less loaded.
 
 The verdict weighs plain against the full depth only: where a shallower draft alone would pay at a large batch, it
 decodes plainly (the model, which weighs every depth, decides below ``from_requests`` and before a probe).
@@ -52,14 +59,17 @@ class Verdict(Enum):
 @dataclass(frozen=True)
 class VerdictConfig:
     from_requests: int = 5  # the smallest batch judged by measure (below, the spec rule's model decides)
-    cost_weight: float = 0.2  # weight of a new step in a regime's measured cost
-    accept_weight: float = 0.05  # weight of a new full-depth verify in the measured tokens per verify
-    enter: float = 1.05  # drafting's rate over plain's above which a plain batch starts drafting
-    stay: float = 1.0  # and below which a drafting batch stops
+    draft_weight: float = 0.2  # weight of a new steady step in a regime's measured drafting cost
+    plain_weight: float = 0.2  # of a new plain step in its plain cost
+    accept_weight: float = 0.2  # of a step's full-depth verifies in the measured tokens per verify
+    enter: float = 1.2  # drafting's rate over plain's above which a plain batch starts drafting (after a probe)
+    stay: float = 1.1  # and below which a drafting batch stops
+    promise_gap: int = 64  # the fewest steps between two probes where the explorations promise drafting pays
     refresh: int = 256  # steps after which a regime's draft cost, unmeasured since (plain won), is probed again
     max_refresh: int = 4096  # that gap doubles with each probe up to this
-    refresh_floor: float = 0.75  # the steady ratio from which a refresh could change the verdict
-    probe_measures: int = 3  # steady steps a probe measures
+    refresh_floor: float = 0.75  # the ratio from which a refresh could change the verdict
+    probe_measures: int = 3  # steady drafting steps a probe measures
+    pair_measures: int = 2  # plain steps measured right after it, at the same lengths
     probe_steps: int = 6  # the most steps a probe drafts for (a step with a prefill measures nothing)
     probe_catch_up: float = 2.0  # a probe only where its drafts' catch-up costs at most this many plain steps
     steady_catch_up: float = 1.5  # catch-up tokens per drafting request up to which a drafting step is steady
@@ -84,23 +94,41 @@ def regime(requests: int) -> int:
     return round(math.log2(max(requests, 1)))
 
 
+class _Cost:
+    """A measured cost in seconds a request: the mean of the samples since it was last started afresh, then a moving
+    average (a step's cost drifts with its requests' lengths and the host's load)."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.value: float | None = None
+        self.samples = 0
+
+    def add(self, sample: float) -> None:
+        self.samples += 1
+        old = self.value
+        self.value = sample if old is None else old + max(self.weight, 1.0 / self.samples) * (sample - old)
+
+    def restart(self) -> None:
+        """The next sample starts the mean afresh (kept till then)."""
+        self.samples = 0
+
+
 @dataclass
 class _Regime:
     """One batch regime's measured costs, in seconds a request, and its current verdict."""
 
-    plain: float | None = None
-    draft: float | None = None
+    plain: _Cost
+    draft: _Cost
+    refresh: int  # the gap after which the draft cost is probed again while plain wins (doubling)
+    explore_gap: int  # the gap to the exploration after the next (doubling)
     measured: int = 0  # the step of the last steady draft measured
+    probed: int = -(10**9)  # the step the last probe began
     probe_until: int = -1  # a probe ends at this step at the latest
-    measures_left: int = 0  # steady steps the probe under way has still to measure (0: none under way)
-    refresh: int = 0  # the gap after which the draft cost is probed again while plain wins (doubling)
+    measures_left: int = 0  # steady drafting steps the probe under way has still to measure (0: none under way)
+    pairs_left: int = 0  # plain steps it has still to measure, right after it
+    judge_probe: bool = False  # a probe and its plain steps are measured: the next verdict is theirs
     drafting: bool = False
-    explore_gap: int = 0  # the gap to the exploration after the next (doubling)
     next_explore: int = 0  # the step of the next exploration while plain
-
-
-def _mean(old: float | None, sample: float, weight: float) -> float:
-    return sample if old is None else old + weight * (sample - old)
 
 
 @dataclass
@@ -109,20 +137,25 @@ class BatchVerdict:
 
     config: VerdictConfig = VerdictConfig()
     _regimes: dict[int, _Regime] = field(default_factory=dict)
-    _tokens: float | None = None  # tokens a full-depth verify keeps (accepted drafts and the sampled one)
+    _tokens: _Cost = field(init=False)  # tokens a full-depth verify keeps (accepted drafts and the sampled one)
     _ratio: float = 0.0  # the last judged ratio
+    _step_tokens: float = 0.0  # the committing step's full-depth verifies: their tokens
+    _step_verifies: int = 0  # and their count
+
+    def __post_init__(self) -> None:
+        self._tokens = _Cost(self.config.accept_weight)
 
     @property
     def tokens(self) -> float:
         """Tokens a full-depth verify keeps, as measured (1 before any)."""
-        return 1.0 if self._tokens is None else self._tokens
+        return 1.0 if self._tokens.value is None else self._tokens.value
 
     @property
     def ratio(self) -> float:
         """Drafting's rate over plain's as last judged (0: not judged)."""
         return self._ratio
 
-    def judge(self, requests: int, step: int, catch_up: float, switch: float) -> Verdict | None:
+    def judge(self, requests: int, step: int, catch_up: float, switch: float, quiet: bool = True) -> Verdict | None:
         """The verdict for a step of ``requests`` decodes at ``step``, whose drafts would first read ``catch_up``
         seconds of tokens they missed, ``switch`` seconds a step once spread over the steps the batch has left; None
         where the model decides: a batch under ``from_requests``, or one whose drafting cost is not measured yet and
@@ -133,21 +166,38 @@ class BatchVerdict:
         if here.measures_left and step < here.probe_until:
             return Verdict.PROBE
         here.measures_left = 0
+        if here.pairs_left:
+            return Verdict.PLAIN  # the probe's plain steps, measured at its lengths
         # A probe pays its catch-up whole (its few steps win none of it back where plain then wins): only where that
         # is cheap, as at a batch of new requests whose drafts read only their prompts.
-        cheap = here.plain is not None and catch_up <= self.config.probe_catch_up * here.plain * requests
-        if here.draft is None:
+        # And only in a pure decode step: a prefill chunk in it (other requests being admitted) measures nothing, and a
+        # whole batch's drafts beside a prefill made such a step cost five plain steps at 32 streams.
+        plain_cost = here.plain.value
+        cheap = quiet and plain_cost is not None and catch_up <= self.config.probe_catch_up * plain_cost * requests
+        if here.draft.value is None:
             return self._probe(here, step) if cheap else None
-        if here.plain is None or self._tokens is None:
+        tokens = self._tokens.value
+        if here.plain.value is None or tokens is None:
             return None
-        # A refresh where a draft cost off by a third could change the verdict, and only while plain wins: a drafting
-        # batch measures its cost on every step.
-        near = self._tokens * here.plain / here.draft >= self.config.refresh_floor
-        if not here.drafting and step - here.measured >= here.refresh and cheap and near:
-            here.refresh = min(2 * here.refresh, self.config.max_refresh)
-            return self._probe(here, step)
-        self._ratio = self._tokens * here.plain / (here.draft + (0.0 if here.drafting else switch / requests))
-        drafting = self._ratio > (self.config.stay if here.drafting else self.config.enter)
+        after_probe, here.judge_probe = here.judge_probe, False
+        behind = 0.0 if here.drafting or after_probe else switch / requests
+        self._ratio = tokens * here.plain.value / (here.draft.value + behind)
+        if here.drafting:
+            drafting = self._ratio > self.config.stay
+        elif after_probe:
+            drafting = self._ratio > self.config.enter
+        else:
+            # Plain: a batch starts drafting only on a probe's direct measure (its own tokens and costs, and plain's
+            # at the same lengths), never on a few explorers' verifies against costs measured at other lengths. A
+            # probe where those promise drafting pays, or now and then where a cost off by a third could change the
+            # verdict.
+            drafting = False
+            promising = self._ratio > self.config.enter and step - here.probed >= self.config.promise_gap
+            stale = step - here.measured >= here.refresh and self._ratio >= self.config.refresh_floor
+            if cheap and (promising or stale):
+                if stale:
+                    here.refresh = min(2 * here.refresh, self.config.max_refresh)
+                return self._probe(here, step)
         if drafting != here.drafting:  # a new course: explorations start again at the shortest gap, after it
             here.drafting, here.explore_gap = drafting, self.config.explore_every
             here.next_explore = step + here.explore_gap
@@ -156,7 +206,12 @@ class BatchVerdict:
         return self._explore(here, step)
 
     def _probe(self, here: _Regime, step: int) -> Verdict:
-        here.probe_until, here.measures_left = step + self.config.probe_steps, self.config.probe_measures
+        """The whole batch drafts for ``probe_measures`` steady steps, then decodes plainly for ``pair_measures``:
+        both costs measured afresh at the batch's lengths now."""
+        here.probed, here.probe_until = step, step + self.config.probe_steps
+        here.measures_left, here.pairs_left = self.config.probe_measures, 0
+        here.draft.restart()
+        self._tokens.restart()  # the probe's own verifies, the whole batch's
         return Verdict.PROBE
 
     def _explore(self, here: _Regime, step: int) -> Verdict:
@@ -170,30 +225,47 @@ class BatchVerdict:
         return Verdict.EXPLORE
 
     def _regime(self, requests: int) -> _Regime:
-        here = self._regimes.get(regime(requests))
+        key = regime(requests)
+        here = self._regimes.get(key)
         if here is None:
             config = self.config
-            here = self._regimes[regime(requests)] = _Regime(explore_gap=config.explore_every, refresh=config.refresh)
+            here = self._regimes[key] = _Regime(
+                _Cost(config.plain_weight), _Cost(config.draft_weight), config.refresh, config.explore_every
+            )
         return here
 
     def observe_step(self, batch: PlannedBatch, full_depth: int, seconds: float, catch_up: int, step: int) -> None:
         """A committed pure decode step planned as ``batch`` (the full depth being ``full_depth``), whose drafting
         requests read ``catch_up`` tokens first, that took ``seconds``."""
+        self.close_step()
         requests = batch.requests
         if requests < self.config.from_requests or seconds <= 0.0:
             return
         here = self._regime(requests)
         if not batch.drafting:
-            here.plain = _mean(here.plain, seconds / requests, self.config.cost_weight)
+            if here.pairs_left:
+                if here.pairs_left == self.config.pair_measures:
+                    here.plain.restart()
+                here.pairs_left -= 1
+                here.judge_probe = not here.pairs_left
+            here.plain.add(seconds / requests)
             return
         whole = batch.depth == full_depth and 4 * batch.drafting >= 3 * requests  # paused requests aside
         if whole and catch_up <= self.config.steady_catch_up * batch.drafting:
-            # A probe's first steady step starts the measure afresh: what it refreshes was measured long ago.
-            first = here.measures_left == self.config.probe_measures
-            here.draft = _mean(None if first else here.draft, seconds / requests, self.config.cost_weight)
+            here.draft.add(seconds / requests)
             here.measured = step
-            here.measures_left = max(here.measures_left - 1, 0)
+            if here.measures_left:
+                here.measures_left -= 1
+                here.pairs_left = 0 if here.measures_left else self.config.pair_measures
 
     def observe_verify(self, accepted: int) -> None:
-        """A verified full-depth draft that kept ``accepted`` of its tokens."""
-        self._tokens = _mean(self._tokens, 1.0 + accepted, self.config.accept_weight)
+        """A verified full-depth draft that kept ``accepted`` of its tokens (in the step committing now)."""
+        self._step_tokens += 1.0 + accepted
+        self._step_verifies += 1
+
+    def close_step(self) -> None:
+        """The committing step's verifies are all in: their mean joins the tokens per verify, a step's weight
+        whatever its size (an exploring step's four verifies and a whole batch's 32 alike)."""
+        if self._step_verifies:
+            self._tokens.add(self._step_tokens / self._step_verifies)
+        self._step_tokens, self._step_verifies = 0.0, 0

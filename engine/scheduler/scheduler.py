@@ -184,7 +184,8 @@ class Scheduler:
             for r in decodes:
                 r.drafting.length = r.num_prompt + len(r.output_ids)
                 r.drafting.left = r.params.max_new_tokens - r.planned_output
-            self._depth = self._policy.batch_depth([r.drafting for r in decodes])
+            quiet = not self._waiting and len(decodes) == len(self._running)
+            self._depth = self._policy.batch_depth([r.drafting for r in decodes], quiet)
         for req in self._running:
             item, used = self._plan_running(req, budget)
             if item is not None:

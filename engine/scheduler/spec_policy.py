@@ -324,8 +324,9 @@ class SpecPolicy:
 
     # ---------------------------------------------------------------- choosing
 
-    def batch_depth(self, requests: list[RequestSpec]) -> int:
-        """The draft depth for a step whose decodes are ``requests``."""
+    def batch_depth(self, requests: list[RequestSpec], quiet: bool = True) -> int:
+        """The draft depth for a step whose decodes are ``requests``; ``quiet``: no other request is waiting or
+        prefilling, so the step will be a pure decode step (the only kind whose cost a probe measures)."""
         top = self.spec.draft_nodes
         self._explorers = None
         cap = self.spec.disable_by_batch_size
@@ -333,7 +334,7 @@ class SpecPolicy:
             return 0  # the operator's bound (--speculative-disable-by-batch-size): plain, and nothing explored
         if not self.spec.adaptive or top == 0 or not requests:
             return top
-        verdict = self._judge(requests)
+        verdict = self._judge(requests, quiet)
         if verdict is Verdict.PROBE:
             return top
         if verdict is Verdict.DRAFT:
@@ -352,18 +353,18 @@ class SpecPolicy:
         self._explore_gap = self.config.explore_every  # drafting pays: a plain step now and then keeps it honest
         return self._probe_plain(best, margin)
 
-    def _judge(self, requests: list[RequestSpec]) -> Verdict | None:
+    def _judge(self, requests: list[RequestSpec], quiet: bool) -> Verdict | None:
         """The measured verdict on the whole batch drafting (None: a batch too small for it; the model decides)."""
         live = [r for r in requests if self._step >= r.paused_until]
         if len(live) < self._verdict.config.from_requests:
             return None
         behind = [(r.catch_up() - 1, r) for r in live if r.catch_up() > 1]
         if not behind:
-            return self._verdict.judge(len(live), self._step, 0.0, 0.0)
+            return self._verdict.judge(len(live), self._step, 0.0, 0.0, quiet)
         per_token = self._draft_weights()[3]
         catch_up = per_token * sum(tokens for tokens, _ in behind)
         switch = per_token * self._switch_share(behind, self._verdict.tokens)
-        return self._verdict.judge(len(live), self._step, catch_up, switch)
+        return self._verdict.judge(len(live), self._step, catch_up, switch, quiet)
 
     def _probe_plain(self, best: int, margin: float) -> int:
         """While drafting pays: ``best``, but depth 0 once per gap. The gap is ``explore_every`` while the margin of
@@ -554,6 +555,10 @@ class SpecPolicy:
         self._step += 1
         if not drafted:  # the engine-wide rates fade in time as a request's do (observe_request)
             self._engine.decay(self.config.forgetting)
+        if planned is None:
+            self._verdict.close_step()
+        else:
+            self._verdict.observe_step(planned, self.spec.draft_nodes, seconds, catch_up, self._step)
         if not self.spec.adaptive or seconds <= 0.0:
             return
         self._verify.add((1.0, float(forward_tokens)), seconds - draft_seconds)
@@ -561,12 +566,11 @@ class SpecPolicy:
             self._sizes.add(forward_tokens)
         if depth and drafted:
             self._draft.add((1.0, float(depth), float(depth * drafted), float(catch_up)), draft_seconds)
-        if planned is not None:
-            self._verdict.observe_step(planned, self.spec.draft_nodes, seconds, catch_up, self._step)
 
     def tick(self) -> None:
         """A step that says nothing about the cost (a prefill chunk in it) still counts for pauses and exploring."""
         self._step += 1
+        self._verdict.close_step()
 
     def observe_request(self, req: RequestSpec, drafted: int, accepted: int, planned: int | None = None) -> None:
         """A verified run of ``req``: ``drafted`` draft tokens of the ``planned`` (default as many), the first

@@ -30,22 +30,30 @@ def _whole(verdict: BatchVerdict, requests: int, seconds: float, catch_up: int, 
     verdict.observe_step(PlannedBatch(requests, requests, DEPTH), DEPTH, seconds, catch_up, step)
 
 
-def _measured(tokens: float, plain: float = PLAIN, draft: float = DRAFT, batch: int = BATCH) -> BatchVerdict:
-    """A verdict that has measured one plain step and one steady whole-batch draft of ``batch`` decodes, and verifies
-    keeping ``tokens`` on average (accepted drafts and the sampled one)."""
-    verdict = BatchVerdict()
-    _plain(verdict, batch, plain * batch, 0)
-    _whole(verdict, batch, draft * batch, batch, 1)
-    _verifies(verdict, tokens)
-    return verdict
-
-
-def _verifies(verdict: BatchVerdict, tokens: float, n: int = 400) -> None:
-    """``n`` full-depth verifies whose tokens average ``tokens``: accepted counts spread evenly around its mean."""
+def _verifies(verdict: BatchVerdict, tokens: float, steps: int = 20) -> None:
+    """``steps`` steps of 32 full-depth verifies whose tokens average ``tokens``: accepted counts spread evenly around
+    its mean."""
     low = int(tokens - 1.0)
     share = tokens - 1.0 - low  # of the verifies, those keeping one more
-    for i in range(n):
+    for i in range(steps * BATCH):
         verdict.observe_verify(low + (1 if (i * share) % 1.0 + share >= 1.0 else 0))
+        if i % BATCH == BATCH - 1:
+            verdict.close_step()
+
+
+def _probed(tokens: float, plain: float = PLAIN, draft: float = DRAFT, batch: int = BATCH) -> BatchVerdict:
+    """A verdict that measured a plain step of ``batch`` decodes, then probed: three steady whole-batch drafts whose
+    verifies kept ``tokens`` on average, then two plain steps at the same lengths. Its next verdict is the probe's."""
+    verdict = BatchVerdict()
+    _plain(verdict, batch, plain * batch, 0)
+    assert verdict.judge(batch, 1, 0.0, 0.0) is Verdict.PROBE
+    for step in (1, 2, 3):
+        _verifies(verdict, tokens, steps=1)
+        _whole(verdict, batch, draft * batch, batch, step)
+    for step in (4, 5):
+        assert verdict.judge(batch, step, 0.0, 0.0) is Verdict.PLAIN
+        _plain(verdict, batch, plain * batch, step)
+    return verdict
 
 
 def test_regimes_group_batches_by_the_nearest_power_of_two() -> None:
@@ -54,58 +62,69 @@ def test_regimes_group_batches_by_the_nearest_power_of_two() -> None:
     assert {regime(n) for n in range(12, 23)} == {4}
 
 
-def test_a_large_batch_drafts_where_its_measured_steps_are_faster() -> None:
-    """Drafting at 32 streams costs four plain steps here: with 4.6 tokens a verify the batch drafts (1.15x plain's
-    rate), with 3.6 it decodes plainly (0.9x). Fails if the verdict ignores the measured tokens or costs."""
-    assert _measured(4.6).judge(BATCH, 10, 0.0, 0.0) is Verdict.DRAFT
-    assert _measured(3.6).judge(BATCH, 10, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
-    slower_draft = _measured(4.6, draft=1.0e-3)  # the same tokens where a draft costs five plain steps: 0.92x
-    assert slower_draft.judge(BATCH, 10, 0.0, 0.0) is not Verdict.DRAFT
+def test_a_large_batch_drafts_where_a_probe_measures_drafting_faster() -> None:
+    """Drafting at 32 streams costs four plain steps here (the break-even: 4 tokens a verify). A probe that measures
+    5.2 tokens a verify (1.3x plain's rate, over ``enter``, 1.2x) has the batch draft; 4.4 (1.1x) does not: the step's
+    measure misses what a batch's drafts cost beside its prefills and at its ragged end, and ``enter`` leaves room for
+    it. Nor does 5.2 where a draft costs five plain steps (1.04x). Fails if the verdict ignores the measured tokens
+    (checked: with the tokens taken as 5, the 4.4 probe drafts)."""
+    assert _probed(5.2).judge(BATCH, 6, 0.0, 0.0) is Verdict.DRAFT
+    assert _probed(4.4).judge(BATCH, 6, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
+    assert _probed(5.2, draft=1.0e-3).judge(BATCH, 6, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
 
 
 def test_a_small_batch_is_left_to_the_model() -> None:
-    """Under ``from_requests`` (5) the spec rule's model decides (None), whatever was measured."""
-    verdict = _measured(5.0, batch=4)
+    """Under ``from_requests`` (5) the spec rule's model decides (None), whatever was measured; so does a large batch
+    before its drafts were measured where a probe would cost."""
+    verdict = BatchVerdict()
+    for step in range(3):
+        _plain(verdict, 4, PLAIN * 4, step)
+        _whole(verdict, 4, DRAFT * 4, 4, step)
+    _verifies(verdict, 5.2)
     assert verdict.judge(4, 10, 0.0, 0.0) is None
-    assert verdict.judge(BATCH, 10, 0.0, 0.0) is None  # nothing measured at 32 yet, and its probe would cost
+    assert verdict.judge(BATCH, 10, 0.0, 0.0) is None  # nothing measured at 32
 
 
 def test_near_the_break_even_a_batch_keeps_its_course() -> None:
-    """A plain batch starts drafting above ``enter`` (1.05x), a drafting one stops only below ``stay`` (1.0x): at
-    1.02x each keeps what it does, so noise near the break-even does not flip it (each switch re-reads what the drafts
-    missed). Fails with one threshold for both (checked: with ``stay`` at ``enter``, the drafting batch stops at
-    1.02x)."""
-    verdict = _measured(4.4)  # 1.1x
-    assert verdict.judge(BATCH, 10, 0.0, 0.0) is Verdict.DRAFT
-    _verifies(verdict, 4.08)  # 1.02x
-    assert verdict.judge(BATCH, 11, 0.0, 0.0) is Verdict.DRAFT
-    _verifies(verdict, 3.92)  # 0.98x
-    assert verdict.judge(BATCH, 12, 0.0, 0.0) is not Verdict.DRAFT
-    _verifies(verdict, 4.08)  # 1.02x again: plain stays plain
-    assert verdict.judge(BATCH, 13, 0.0, 0.0) is not Verdict.DRAFT
+    """A batch starts drafting above ``enter`` (1.2x) and stops only below ``stay`` (1.1x): at 1.15x each keeps what
+    it does, so noise near the margin does not flip it (each switch re-reads what the drafts missed). Fails with one
+    threshold for both (checked: with ``stay`` at ``enter``, the drafting batch stops at 1.15x)."""
+    verdict = _probed(5.0)  # 1.25x
+    assert verdict.judge(BATCH, 6, 0.0, 0.0) is Verdict.DRAFT
+    _verifies(verdict, 4.6)  # 1.15x
+    assert verdict.judge(BATCH, 7, 0.0, 0.0) is Verdict.DRAFT
+    _verifies(verdict, 4.2)  # 1.05x
+    assert verdict.judge(BATCH, 8, 0.0, 0.0) is not Verdict.DRAFT
+    _verifies(verdict, 4.6)  # 1.15x again: the plain batch stays plain, and probes nothing
+    assert verdict.judge(BATCH, 9, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
 
 
-def test_a_switch_is_charged_to_a_plain_batch_only() -> None:
-    """At 1.1x plain's rate at the steady state, a plain batch whose drafts would first read 3 ms of catch-up a step
-    (amortised over the steps it has left: their end is near) stays plain (0.98x with it); a batch already drafting
-    reads no such catch-up and drafts on. Fails if the switch is not charged (checked: the plain batch drafts)."""
-    plain = _measured(4.4)
-    assert plain.judge(BATCH, 10, 0.0, 3e-3) is not Verdict.DRAFT
-    drafting = _measured(4.4)
-    assert drafting.judge(BATCH, 10, 0.0, 0.0) is Verdict.DRAFT
-    assert drafting.judge(BATCH, 11, 0.0, 3e-3) is Verdict.DRAFT
+def test_a_plain_batch_starts_drafting_only_on_a_probes_measure() -> None:
+    """After a probe said plain (4.4 tokens a verify, 1.1x), its explorations' few verifies read 5.2 (1.3x): that is
+    a promise, not a measure (four requests' verifies, against costs measured at other lengths). The batch probes
+    again where that is cheap, ``promise_gap`` (64) steps after the last probe, and drafts only if the probe agrees;
+    where its drafts would first read 3 ms of catch-up a step (amortised: the batch's end is near), the promise is
+    1.17x and it does not probe. Fails if the batch drafts on the explorers' verifies (checked: DRAFT at step 7)."""
+    verdict = _probed(4.4)
+    assert verdict.judge(BATCH, 6, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
+    _verifies(verdict, 5.2)
+    assert verdict.judge(BATCH, 7, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)  # within promise_gap of the probe
+    assert verdict.judge(BATCH, 70, 0.0, 3e-3) in (Verdict.PLAIN, Verdict.EXPLORE)
+    assert verdict.judge(BATCH, 71, 0.0, 0.0) is Verdict.PROBE
 
 
-def test_an_unmeasured_regime_is_probed_only_where_its_catch_up_is_cheap() -> None:
+def test_an_unmeasured_regime_is_probed_only_where_its_catch_up_is_cheap_and_nothing_prefills() -> None:
     """Plain measured at 32, a whole-batch draft not. A probe pays its drafts' catch-up whole (where plain then wins,
     its few steps win none of it back): where that costs at most ``probe_catch_up`` (2) plain steps (a batch of new
     requests, whose drafts read only their prompts) the whole batch drafts for up to ``probe_steps`` steps to measure
-    it; where it would cost more (drafts far behind), the model decides. Fails if the catch-up is not checked
-    (checked: PROBE at three plain steps' catch-up)."""
+    it; where it would cost more (drafts far behind), or while other requests prefill beside it (such a step measures
+    nothing, and its drafts beside a prefill cost the most), the model decides. Fails if the catch-up or the prefill
+    is not checked (checked: PROBE at three plain steps' catch-up; PROBE beside a prefill)."""
     verdict = BatchVerdict(VerdictConfig(probe_steps=3))
     _plain(verdict, BATCH, PLAIN * BATCH, 0)
     plain_step = PLAIN * BATCH
     assert verdict.judge(BATCH, 1, 3 * plain_step, 0.1 * plain_step) is None
+    assert verdict.judge(BATCH, 1, 1.5 * plain_step, 0.05 * plain_step, quiet=False) is None
     assert [verdict.judge(BATCH, s, 1.5 * plain_step, 0.05 * plain_step) for s in (2, 3, 4)] == [Verdict.PROBE] * 3
     assert verdict.judge(BATCH, 5, 3 * plain_step, 0.1 * plain_step) is None  # it measured nothing: not at this price
 
@@ -113,17 +132,40 @@ def test_an_unmeasured_regime_is_probed_only_where_its_catch_up_is_cheap() -> No
 def test_a_probe_measures_steady_steps_not_a_switch() -> None:
     """The first step of a probe reads each draft's catch-up (here 40 tokens a request, 10 ms more): not a steady
     step's cost, and the probe goes on; it ends once ``probe_measures`` (3) steady steps (a token a request) are
-    measured. Fails if the switch's step is measured (checked: the draft cost then reads 0.95 ms a request, 0.92x
-    plain's rate, and 4.4 tokens a verify, 1.1x at the steady state, decode plainly)."""
+    measured, and its plain steps follow. Fails if the switch's step is measured (checked: the draft cost then reads
+    0.88 ms a request, and 5.2 tokens a verify, 1.3x at the steady state, read 1.18x and decode plainly)."""
     verdict = BatchVerdict()
     _plain(verdict, BATCH, PLAIN * BATCH, 0)
     assert verdict.judge(BATCH, 1, 0.0, 0.0) is Verdict.PROBE
     _whole(verdict, BATCH, DRAFT * BATCH + 10e-3, 40 * BATCH, 2)
     for step in (2, 3, 4):
         assert verdict.judge(BATCH, step, 0.0, 0.0) is Verdict.PROBE
+        _verifies(verdict, 5.2, steps=1)
         _whole(verdict, BATCH, DRAFT * BATCH, BATCH, step + 1)
-    _verifies(verdict, 4.4)
-    assert verdict.judge(BATCH, 5, 0.0, 0.0) is Verdict.DRAFT
+    for step in (5, 6):
+        assert verdict.judge(BATCH, step, 0.0, 0.0) is Verdict.PLAIN  # the plain steps that pair the probe
+        _plain(verdict, BATCH, PLAIN * BATCH, step)
+    assert verdict.judge(BATCH, 7, 0.0, 0.0) is Verdict.DRAFT
+
+
+def test_a_probe_is_paired_with_plain_steps_at_its_lengths() -> None:
+    """A step's cost grows with its requests' lengths (at 32 streams on this host, plain steps of one batch went from
+    6 ms to 9 ms as it wrote its 96 tokens). Plain's cost was last measured at the end of a batch (0.3 ms a request),
+    the probe measures a new batch's drafts (0.8 ms): its plain steps measure plain's afresh at the same lengths (0.15
+    ms), and the verdict judges by those: 4 tokens a verify are 0.75x plain's rate there, not the 1.5x the old plain
+    cost made them. Fails without the paired steps (checked: DRAFT right after the probe), or where they only join the
+    old measure instead of starting it afresh (checked: 1.23x, DRAFT)."""
+    verdict = BatchVerdict()
+    for _ in range(10):
+        _plain(verdict, BATCH, 0.3e-3 * BATCH, 0)
+    assert verdict.judge(BATCH, 1, 0.0, 0.0) is Verdict.PROBE
+    for step in (1, 2, 3):
+        _verifies(verdict, 4.0, steps=1)
+        _whole(verdict, BATCH, DRAFT * BATCH, BATCH, step)
+    for step in (4, 5):
+        assert verdict.judge(BATCH, step, 0.0, 0.0) is Verdict.PLAIN
+        _plain(verdict, BATCH, 0.15e-3 * BATCH, step)
+    assert verdict.judge(BATCH, 6, 0.0, 0.0) is not Verdict.DRAFT
 
 
 def test_a_plain_regime_explores_at_doubling_gaps_of_its_own() -> None:
@@ -131,11 +173,16 @@ def test_a_plain_regime_explores_at_doubling_gaps_of_its_own() -> None:
     (16) to ``max_explore_every`` (256), each exploration there costing most of a plain step; a smaller regime judged
     in between (a batch's tail, where drafting pays) keeps its own verdict. Fails if the gap does not grow (checked: a
     fixed period of 16 explores 63 times in these 1,000 steps, not 7)."""
-    verdict = _measured(3.0)
-    _plain(verdict, 8, PLAIN * 8, 0)
-    _whole(verdict, 8, 0.3e-3 * 8, 8, 0)  # at 8, drafting pays (2.2x)
+    verdict = _probed(3.0)
+    _plain(verdict, 8, PLAIN * 8, 6)
+    assert verdict.judge(8, 7, 0.0, 0.0) is Verdict.PROBE
+    for step in (7, 8, 9):
+        _whole(verdict, 8, 0.3e-3 * 8, 8, step)  # at 8, a draft costs 1.5 plain steps: 3 tokens a verify are 2x
+    for step in (10, 11):
+        assert verdict.judge(8, step, 0.0, 0.0) is Verdict.PLAIN
+        _plain(verdict, 8, PLAIN * 8, step)
     explored = []
-    for step in range(10, 1010):
+    for step in range(12, 1012):
         if verdict.judge(BATCH, step, 0.0, 0.0) is Verdict.EXPLORE:
             explored.append(step)
         assert verdict.judge(8, step, 0.0, 0.0) is Verdict.DRAFT
@@ -145,22 +192,16 @@ def test_a_plain_regime_explores_at_doubling_gaps_of_its_own() -> None:
 
 def test_a_regime_plain_for_long_is_probed_again_where_it_could_change_its_course() -> None:
     """A draft cost measured once (a cold start's, a machine since less loaded) is probed again, where the switch is
-    cheap, after ``refresh`` (256) steps of plain decoding, then after gaps that double, but only where its steady
-    ratio is within reach of the break-even (``refresh_floor``, 0.75x): a draft a third cheaper than measured could
-    then pay. Far below (0.5x), no refresh. Fails without the refresh (checked: no probe), or without the floor
-    (checked: the 0.5x regime probes at step 256). Gaps count from the last measurement."""
-    near = BatchVerdict()
-    _plain(near, BATCH, PLAIN * BATCH, 0)
-    _whole(near, BATCH, DRAFT * BATCH, BATCH, 0)
-    _verifies(near, 3.4)  # 0.85x
-    probes = [s for s in range(1, 1200) if near.judge(BATCH, s, 0.0, 0.0) is Verdict.PROBE]
+    cheap, after ``refresh`` (256) steps of plain decoding, then after gaps that double, but only where its ratio is
+    within reach of the break-even (``refresh_floor``, 0.75x): a draft a third cheaper than measured could then pay.
+    Far below (0.5x), no refresh. Fails without the refresh (checked: no probe), or without the floor (checked: the
+    0.5x regime probes at step 256). Gaps count from the last measurement."""
+    near = _probed(3.4)  # 0.85x
+    probes = [s for s in range(6, 1200) if near.judge(BATCH, s, 0.0, 0.0) is Verdict.PROBE]
     starts = [s for s in probes if s - 1 not in probes]
-    assert starts == [256, 512, 1024], probes  # the probes measured nothing: each gap counts from the measurement
-    far = BatchVerdict()
-    _plain(far, BATCH, PLAIN * BATCH, 0)
-    _whole(far, BATCH, DRAFT * BATCH, BATCH, 0)
-    _verifies(far, 2.0)  # 0.5x
-    assert not [s for s in range(1, 1200) if far.judge(BATCH, s, 0.0, 0.0) is Verdict.PROBE]
+    assert starts == [256 + 3, 512 + 3, 1024 + 3], probes  # its probes measured nothing: each from the last measure
+    far = _probed(2.0)  # 0.5x
+    assert not [s for s in range(6, 1200) if far.judge(BATCH, s, 0.0, 0.0) is Verdict.PROBE]
 
 
 def test_the_tokens_a_verify_keeps_follow_the_verifies() -> None:

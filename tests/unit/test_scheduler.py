@@ -349,7 +349,7 @@ def test_each_decode_steps_batch_and_planned_depth_reach_the_measured_verdict() 
             committed[run.request_id] += len(run.token_ids)
         _commit(s, StepResult(plan.step_id, runs, timing))
     here = s._policy._verdict._regimes[regime(6)]
-    assert here.plain == pytest.approx(0.001) and here.draft == pytest.approx(0.001), here
+    assert here.plain.value == pytest.approx(0.001) and here.draft.value == pytest.approx(0.001), here
 
 
 def test_drafts_never_let_a_run_outgrow_max_new_tokens() -> None:

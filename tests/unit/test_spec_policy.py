@@ -288,11 +288,13 @@ def test_a_full_depth_draft_that_found_nothing_counts_as_one_token_for_the_measu
     before them, and would have a batch of unmatched n-gram lookups draft)."""
     policy = SpecPolicy(SPEC)
     req = RequestSpec()
-    for _ in range(100):
+    for _ in range(30):  # steps of one request
         policy.observe_request(req, drafted=4, accepted=4, planned=4)
+        policy.tick()
     assert policy._verdict.tokens == pytest.approx(5.0)
-    for _ in range(100):
+    for _ in range(30):
         policy.observe_request(req, drafted=0, accepted=0, planned=4)
+        policy.tick()
     assert policy._verdict.tokens < 1.1
 
 
