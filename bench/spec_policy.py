@@ -37,7 +37,7 @@ def warmed(batch: int, depth: int, config: SpecPolicyConfig) -> tuple[SpecPolicy
     explorations) and requests with five verifies each."""
     policy = SpecPolicy(SpeculativeConfig(SpecAlgorithm.DRAFT, num_steps=depth), config)
     rng = random.Random(7)
-    reqs = [RequestSpec(length=100, left=1000) for _ in range(batch)]
+    reqs = [RequestSpec(length=100, fed=100, left=1000) for _ in range(batch)]  # drafts caught up: a probe is cheap
     for _ in range(100):
         chosen = policy.batch_depth(reqs)
         drafted = sum(1 for r in reqs if policy.request_depth(r, chosen))
@@ -45,9 +45,12 @@ def warmed(batch: int, depth: int, config: SpecPolicyConfig) -> tuple[SpecPolicy
         draft = (0.3 + 0.05 * chosen * drafted) * 1e-3 if drafted else 0.0
         seconds, planned = (2.0 + 0.5 * tokens) * 1e-3 + draft, PlannedBatch(batch, drafted, chosen)
         policy.observe_step(tokens, chosen, drafted, seconds, draft, policy.take_catch_up(), planned)
-    for r in reqs:
-        for _ in range(5):
+    for _ in range(5):
+        for r in reqs:
             policy.observe_request(r, depth, rng.randint(0, depth))
+        policy.tick()  # a step's verifies are in
+    for r in reqs:
+        r.length += 50  # 50 tokens decoded plainly since their drafts last read: the rule weighs their catch-up
     return policy, reqs
 
 
