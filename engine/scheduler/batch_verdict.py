@@ -89,14 +89,15 @@ class PlannedBatch:
 
 
 def regime(requests: int) -> int:
-    """The batch regime of ``requests`` decodes: the nearest power of two (5, 6-11, 12-22, 23-45, ...), so that a
+    """The batch regime of ``requests`` decodes: the nearest power of two (3-5, 6-11, 12-22, 23-45, ...), so that a
     batch of a round size that gains or loses a few requests stays in one."""
     return round(math.log2(max(requests, 1)))
 
 
-class _Cost:
-    """A measured cost in seconds a request: the mean of the samples since it was last started afresh, then a moving
-    average (a step's cost drifts with its requests' lengths and the host's load)."""
+class _Measure:
+    """A measured quantity (a step's cost in seconds a request, the tokens a verify keeps): the mean of the samples
+    since it was last started afresh, then a moving average (a step's cost drifts with its requests' lengths and the
+    host's load, the tokens with the prompts)."""
 
     def __init__(self, weight: float) -> None:
         self.weight = weight
@@ -117,8 +118,8 @@ class _Cost:
 class _Regime:
     """One batch regime's measured costs, in seconds a request, and its current verdict."""
 
-    plain: _Cost
-    draft: _Cost
+    plain: _Measure
+    draft: _Measure
     refresh: int  # the gap after which the draft cost is probed again while plain wins (doubling)
     explore_gap: int  # the gap to the exploration after the next (doubling)
     measured: int = 0  # the step of the last steady draft measured
@@ -137,13 +138,13 @@ class BatchVerdict:
 
     config: VerdictConfig = VerdictConfig()
     _regimes: dict[int, _Regime] = field(default_factory=dict)
-    _tokens: _Cost = field(init=False)  # tokens a full-depth verify keeps (accepted drafts and the sampled one)
+    _tokens: _Measure = field(init=False)  # tokens a full-depth verify keeps (accepted drafts and the sampled one)
     _ratio: float = 0.0  # the last judged ratio
     _step_tokens: float = 0.0  # the committing step's full-depth verifies: their tokens
     _step_verifies: int = 0  # and their count
 
     def __post_init__(self) -> None:
-        self._tokens = _Cost(self.config.accept_weight)
+        self._tokens = _Measure(self.config.accept_weight)
 
     @property
     def tokens(self) -> float:
@@ -230,7 +231,7 @@ class BatchVerdict:
         if here is None:
             config = self.config
             here = self._regimes[key] = _Regime(
-                _Cost(config.plain_weight), _Cost(config.draft_weight), config.refresh, config.explore_every
+                _Measure(config.plain_weight), _Measure(config.draft_weight), config.refresh, config.explore_every
             )
         return here
 
