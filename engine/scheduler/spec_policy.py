@@ -1,6 +1,10 @@
 """The "never slower" rule: how many draft positions each decode gets, from what speculation measurably costs and
 what it measurably gains.
 
+From five decoding requests, whether the batch drafts is judged by measured steps (batch_verdict: the whole batch at
+the full depth or plainly, by what a probe measured); the model below decides the smaller batches, and a large one
+until its first probe.
+
 Cost, fitted online from every pure decode step (a step with a prefill chunk says nothing about the depth), by
 exponentially weighted least squares:
 
