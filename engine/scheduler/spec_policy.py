@@ -298,6 +298,12 @@ class RequestSpec:
         return horizon if self.left is None else min(max(self.left / per_step, 1.0), horizon)
 
 
+def _behind(requests: list[RequestSpec]) -> list[tuple[int, RequestSpec]]:
+    """The requests whose drafts must read more than the steady token first, each with the tokens past it."""
+    extra = ((r.catch_up() - 1, r) for r in requests)
+    return [(tokens, r) for tokens, r in extra if tokens > 0]
+
+
 @dataclass
 class SpecPolicy:
     """Chooses draft depths; the scheduler reports every committed step and every verified run."""
@@ -362,7 +368,7 @@ class SpecPolicy:
         live = [r for r in requests if self._step >= r.paused_until]
         if len(live) < self._verdict.config.from_requests:
             return None
-        behind = [(r.catch_up() - 1, r) for r in live if r.catch_up() > 1]
+        behind = _behind(live)
         if not behind:
             return self._verdict.judge(len(live), self._step, 0.0, 0.0, quiet)
         per_token = self._draft_weights()[3]
@@ -488,8 +494,7 @@ class SpecPolicy:
         expected = _Modelled.of(kappas, alphas, top).gained if optimism else model.gained
         plain_rate = n / (a + b * n) if a + b * n > 0 else 0.0
         point, seconds = [plain_rate], [a + b * n]  # per depth: modelled tokens per second, and the step's seconds
-        extra = [(r.catch_up() - 1, r) for r in live]  # tokens past the steady one its draft must read first
-        behind = [(tokens, r) for tokens, r in extra if tokens > 0]
+        behind = _behind(live)
         for d in range(1, top + 1):
             # The draft's forwards: as many as its longest draft is modelled to run (d where no draft ends early). Its
             # catch-up: a token per request at the steady state, and what a request whose draft is behind (it decoded
