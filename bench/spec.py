@@ -396,7 +396,10 @@ def draft_ceiling(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
     continuation of each distinct prompt (EOS banned, as in the bench), the share of its positions where the draft's
     most likely next token is the target's (top-1; top-2 in brackets), and the tokens per verify a greedy chain of
     each depth gets replayed along those agreements (training/evaluate.py's replay). The fixed column above measures
-    the last depth's in the engine."""
+    the last depth's in the engine. Then the deepest chain's tokens per verify over each quarter of the output: a
+    request's acceptance moves along its output (on this bench it rises from about 2.7 tokens a verify over the first
+    quarter to 5 or more later on the fresh prompts), so a rule that measures a batch at its start reads its weakest
+    phase (docs/speculative.md, twentieth session)."""
     from transformers import AutoModelForCausalLM  # only here: the rest of the bench runs without it
     from transformers.utils import logging as hf_logging
 
@@ -414,6 +417,7 @@ def draft_ceiling(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
         top1 = top2 = positions = 0
         tokens = dict.fromkeys(depths, 0.0)
         steps = dict.fromkeys(depths, 0.0)
+        quarter_tokens, quarter_steps = [0] * 4, [0.0] * 4  # the deepest chain's, over each quarter of the output
         for job in jobs:
             ids = torch.tensor([job.prompt])  # [1, P]
             out = target.generate(ids, max_new_tokens=args.max_new, min_new_tokens=args.max_new, do_sample=False)
@@ -426,8 +430,20 @@ def draft_ceiling(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
                 gained = tokens_per_verify(agreed, d)
                 tokens[d] += len(agreed)
                 steps[d] += len(agreed) / gained
+            for q, part in enumerate(_quarters(agreed)):
+                if part:
+                    quarter_tokens[q] += len(part)
+                    quarter_steps[q] += len(part) / tokens_per_verify(part, depths[-1])
         replay = " ".join(f"d{d} {tokens[d] / steps[d]:.2f}" for d in depths)
         print(f"  {kind:>9}: top-1 {top1 / positions:.0%} (top-2 {top2 / positions:.0%}); {replay}", flush=True)
+        per_quarter = " ".join(f"{t / v:.2f}" for t, v in zip(quarter_tokens, quarter_steps, strict=True) if v)
+        print(f"  {'':>9}  d{depths[-1]} by quarter of the output: {per_quarter}", flush=True)
+
+
+def _quarters(agreed: list[bool]) -> list[list[bool]]:
+    """``agreed`` cut into four consecutive parts of (nearly) equal length."""
+    n = len(agreed)
+    return [agreed[q * n // 4 : (q + 1) * n // 4] for q in range(4)]
 
 
 def traversal_per_node(target: Path, tokenizer: Tokenizer, depth: int) -> None:
