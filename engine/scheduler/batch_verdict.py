@@ -17,6 +17,15 @@ where ``switch`` is, while the batch decodes plainly, the catch-up its drafts wo
 cost per token, times each request's catch-up spread over the steps it has left: spec_policy's ``_switch_share``),
 per request.
 
+The tokens per verify are those the batch is expected to keep over the rest of its requests' lives (life_tokens),
+from the tokens verifies kept at each output position (buckets that double: [0, 16), [16, 32), [32, 64), ...). A
+request's acceptance moves along its output: on the bench's fresh prompts at 32 streams a verify kept 2.7 tokens over
+a request's first 16 outputs and 4.2-5.7 later. A probe is taken where the catch-up is cheap, at a new batch's first
+steps, so the tokens it measured itself were the batch's weakest phase: it read 1.0-1.2 on eight of eleven new
+batches, where drafting their whole lives won 7-17% (docs/speculative.md, twentieth session). Judged over the batch's
+life, the probe's own verifies weigh only its requests' first outputs. Before any position is measured, the tokens
+measured lately stand in.
+
 A batch starts drafting only on a probe's measure: the whole batch drafts at the full depth until ``probe_measures``
 steady steps are measured, then decodes plainly for ``pair_measures`` steps, and both costs and the tokens are taken
 afresh from those steps. Paired, because a step's cost moves with its requests' lengths (at 32 streams here, plain
@@ -43,6 +52,8 @@ decodes plainly (the model, which weighs every depth, decides below ``from_reque
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -62,8 +73,8 @@ class VerdictConfig:
     draft_weight: float = 0.2  # weight of a new steady step in a regime's measured drafting cost
     plain_weight: float = 0.2  # of a new plain step in its plain cost
     accept_weight: float = 0.2  # of a step's full-depth verifies in the measured tokens per verify
-    enter: float = 1.2  # drafting's rate over plain's above which a plain batch starts drafting (after a probe)
-    stay: float = 1.1  # and below which a drafting batch stops
+    enter: float = 1.1  # drafting's rate over plain's above which a plain batch starts drafting (after a probe)
+    stay: float = 1.0  # and below which a drafting batch stops
     promise_gap: int = 64  # the fewest steps between two probes where the explorations promise drafting pays
     refresh: int = 256  # steps after which a regime's draft cost, unmeasured since (plain won), is probed again
     max_refresh: int = 4096  # that gap doubles with each probe up to this
@@ -75,6 +86,7 @@ class VerdictConfig:
     steady_catch_up: float = 1.5  # catch-up tokens per drafting request up to which a drafting step is steady
     explore_every: int = 16  # the first gap between explorations of a plain regime
     max_explore_every: int = 256  # the gap doubles after each up to this
+    life_horizon: int = 256  # the most output tokens ahead of a request its remaining life is judged over
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,54 @@ class _Measure:
         self.samples = 0
 
 
+# A request's output position buckets for the tokens a verify keeps: [0, 16), [16, 32), [32, 64), ... doubling.
+POSITION_EDGES: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+
+
+class _ByPosition:
+    """Tokens a full-depth verify keeps, by the verified request's output position (the tokens it had written), in
+    buckets that double (POSITION_EDGES). A request's acceptance moves along its output: on the bench's prompts at 32
+    streams a verify kept 2.7 tokens over a request's first 16 outputs and 5.6 from its 32nd on (fresh prompts), 2.0
+    and 3.9 (repeating ones). A step's verifies in one bucket count as one sample (explorers' four verifies and a
+    whole batch's 32 alike)."""
+
+    def __init__(self, weight: float) -> None:
+        self._measures = [_Measure(weight) for _ in range(len(POSITION_EDGES) + 1)]
+        self._step = [[0.0, 0.0] for _ in self._measures]  # per bucket: the committing step's tokens, verifies
+
+    def add(self, position: int, tokens: float) -> None:
+        here = self._step[bisect_right(POSITION_EDGES, position)]
+        here[0] += tokens
+        here[1] += 1.0
+
+    def close_step(self) -> None:
+        for measure, here in zip(self._measures, self._step, strict=True):
+            if here[1]:
+                measure.add(here[0] / here[1])
+                here[0] = here[1] = 0.0
+
+    def verifies(self, start: int, count: int) -> float | None:
+        """The verifies ``count`` tokens at output positions from ``start`` are expected to take (None: no bucket
+        measured). A bucket not measured yet takes its nearest measured neighbour's value."""
+        values = self._values()
+        if values is None:
+            return None
+        total, position, end = 0.0, start, start + count
+        while position < end:
+            bucket = bisect_right(POSITION_EDGES, position)
+            upper = POSITION_EDGES[bucket] if bucket < len(POSITION_EDGES) else end
+            piece = min(upper, end) - position
+            total += piece / values[bucket]
+            position += piece
+        return total
+
+    def _values(self) -> list[float] | None:
+        known = [(i, m.value) for i, m in enumerate(self._measures) if m.value is not None]
+        if not known:
+            return None
+        return [min(known, key=lambda k: abs(k[0] - i))[1] for i in range(len(self._measures))]
+
+
 @dataclass
 class _Regime:
     """One batch regime's measured costs, in seconds a request, and its current verdict."""
@@ -139,12 +199,14 @@ class BatchVerdict:
     config: VerdictConfig = VerdictConfig()
     _regimes: dict[int, _Regime] = field(default_factory=dict)
     _tokens: _Measure = field(init=False)  # tokens a full-depth verify keeps (accepted drafts and the sampled one)
+    _by_position: _ByPosition = field(init=False)  # the same, by the verified request's output position
     _ratio: float = 0.0  # the last judged ratio
     _step_tokens: float = 0.0  # the committing step's full-depth verifies: their tokens
     _step_verifies: int = 0  # and their count
 
     def __post_init__(self) -> None:
         self._tokens = _Measure(self.config.accept_weight)
+        self._by_position = _ByPosition(self.config.accept_weight)
 
     @property
     def tokens(self) -> float:
@@ -156,11 +218,29 @@ class BatchVerdict:
         """Drafting's rate over plain's as last judged (0: not judged)."""
         return self._ratio
 
-    def judge(self, requests: int, step: int, catch_up: float, switch: float, quiet: bool = True) -> Verdict | None:
+    def life_tokens(self, spans: Sequence[tuple[int, int]]) -> float | None:
+        """Tokens a full-depth verify is expected to keep over the rest of a batch whose requests have each written
+        ``spans[i][0]`` tokens and may write ``spans[i][1]`` more (at most ``life_horizon``): the batch's tokens over
+        the verifies they would take, by the measure per output position (None: none measured). A whole-batch draft
+        pays or not over the batch's life, not over its next few steps: a batch measured where its requests begin
+        reads their weakest phase."""
+        tokens = verifies = 0.0
+        for start, left in spans:
+            count = min(max(left, 1), self.config.life_horizon)
+            taken = self._by_position.verifies(start, count)
+            if taken is None:
+                return None
+            tokens, verifies = tokens + count, verifies + taken
+        return tokens / verifies if verifies else None
+
+    def judge(
+        self, requests: int, step: int, catch_up: float, switch: float, quiet: bool = True, life: float | None = None
+    ) -> Verdict | None:
         """The verdict for a step of ``requests`` decodes at ``step``, whose drafts would first read ``catch_up``
-        seconds of tokens they missed, ``switch`` seconds a step once spread over the steps the batch has left; None
-        where the model decides: a batch under ``from_requests``, or one whose drafting cost is not measured yet and
-        cannot be now."""
+        seconds of tokens they missed, ``switch`` seconds a step once spread over the steps the batch has left, and
+        whose verifies are expected to keep ``life`` tokens each over the batch's remaining life (life_tokens; None:
+        the tokens measured lately, whatever the positions); None where the model decides: a batch under
+        ``from_requests``, or one whose drafting cost is not measured yet and cannot be now."""
         if requests < self.config.from_requests:
             return None
         here = self._regime(requests)
@@ -177,7 +257,7 @@ class BatchVerdict:
         cheap = quiet and plain_cost is not None and catch_up <= self.config.probe_catch_up * plain_cost * requests
         if here.draft.value is None:
             return self._probe(here, step) if cheap else None
-        tokens = self._tokens.value
+        tokens = self._tokens.value if life is None or self._tokens.value is None else life
         if here.plain.value is None or tokens is None:
             return None
         after_probe, here.judge_probe = here.judge_probe, False
@@ -259,10 +339,12 @@ class BatchVerdict:
                 here.measures_left -= 1
                 here.pairs_left = 0 if here.measures_left else self.config.pair_measures
 
-    def observe_verify(self, accepted: int) -> None:
-        """A verified full-depth draft that kept ``accepted`` of its tokens (in the step committing now)."""
+    def observe_verify(self, accepted: int, position: int = 0) -> None:
+        """A verified full-depth draft that kept ``accepted`` of its tokens (in the step committing now), for a request
+        that had written ``position`` tokens."""
         self._step_tokens += 1.0 + accepted
         self._step_verifies += 1
+        self._by_position.add(position, 1.0 + accepted)
 
     def close_step(self) -> None:
         """The committing step's verifies are all in: their mean joins the tokens per verify, a step's weight
@@ -270,3 +352,4 @@ class BatchVerdict:
         if self._step_verifies:
             self._tokens.add(self._step_tokens / self._step_verifies)
         self._step_tokens, self._step_verifies = 0.0, 0
+        self._by_position.close_step()

@@ -184,6 +184,7 @@ class Scheduler:
             for r in decodes:
                 r.drafting.length = r.num_prompt + len(r.output_ids)
                 r.drafting.left = r.params.max_new_tokens - r.planned_output
+                r.drafting.written = len(r.output_ids)
             quiet = not self._waiting and len(decodes) == len(self._running)
             self._depth = self._policy.batch_depth([r.drafting for r in decodes], quiet)
         for req in self._running:

@@ -286,6 +286,7 @@ class RequestSpec:
     length: int = 0  # the request's tokens (prompt and outputs) when last planned: the scheduler sets it
     fed: int = 0  # its length, its drafts included, when it last drafted (0: never: its draft has seen nothing)
     left: int | None = None  # tokens it may still write (max_new_tokens less those planned; None: not known)
+    written: int = 0  # its output tokens when last planned: the scheduler sets it
 
     def catch_up(self) -> int:
         """Tokens a draft model must read before drafting for this request: all since it last drafted (a request
@@ -368,13 +369,15 @@ class SpecPolicy:
         live = [r for r in requests if self._step >= r.paused_until]
         if len(live) < self._verdict.config.from_requests:
             return None
+        horizon = self._verdict.config.life_horizon
+        life = self._verdict.life_tokens([(r.written, horizon if r.left is None else r.left) for r in live])
         behind = _behind(live)
         if not behind:
-            return self._verdict.judge(len(live), self._step, 0.0, 0.0, quiet)
+            return self._verdict.judge(len(live), self._step, 0.0, 0.0, quiet, life)
         per_token = self._draft_weights()[3]
         catch_up = per_token * sum(tokens for tokens, _ in behind)
-        switch = per_token * self._switch_share(behind, self._verdict.tokens)
-        return self._verdict.judge(len(live), self._step, catch_up, switch, quiet)
+        switch = per_token * self._switch_share(behind, life or self._verdict.tokens)
+        return self._verdict.judge(len(live), self._step, catch_up, switch, quiet, life)
 
     def _probe_plain(self, best: int, margin: float) -> int:
         """While drafting pays: ``best``, but depth 0 once per gap. The gap is ``explore_every`` while the margin of
@@ -589,7 +592,8 @@ class SpecPolicy:
         # that rules depth 0 gets no verify to correct it) drifts back to the prior and is tried again.
         req.positions.decay(lam)
         if (drafted if planned is None else planned) == self.spec.draft_nodes:
-            self._verdict.observe_verify(accepted)  # a full-depth draft's tokens, drafted or not (no n-gram match)
+            # A full-depth draft's tokens, drafted or not (an n-gram lookup that found no match kept one).
+            self._verdict.observe_verify(accepted, req.written)
         if not drafted:
             return
         req.positions.add(drafted, accepted, planned)

@@ -64,12 +64,12 @@ def test_regimes_group_batches_by_the_nearest_power_of_two() -> None:
 
 def test_a_large_batch_drafts_where_a_probe_measures_drafting_faster() -> None:
     """Drafting at 32 streams costs four plain steps here (the break-even: 4 tokens a verify). A probe that measures
-    5.2 tokens a verify (1.3x plain's rate, over ``enter``, 1.2x) has the batch draft; 4.4 (1.1x) does not: the step's
+    5.2 tokens a verify (1.3x plain's rate, over ``enter``, 1.1x) has the batch draft; 4.2 (1.05x) does not: the step's
     measure misses what a batch's drafts cost beside its prefills and at its ragged end, and ``enter`` leaves room for
     it. Nor does 5.2 where a draft costs five plain steps (1.04x). Fails if the verdict ignores the measured tokens
-    (checked: with the tokens taken as 5, the 4.4 probe drafts)."""
+    (checked: with the tokens taken as 5, the 4.2 probe drafts)."""
     assert _probed(5.2).judge(BATCH, 6, 0.0, 0.0) is Verdict.DRAFT
-    assert _probed(4.4).judge(BATCH, 6, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
+    assert _probed(4.2).judge(BATCH, 6, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
     assert _probed(5.2, draft=1.0e-3).judge(BATCH, 6, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
 
 
@@ -86,30 +86,30 @@ def test_a_small_batch_is_left_to_the_model() -> None:
 
 
 def test_near_the_break_even_a_batch_keeps_its_course() -> None:
-    """A batch starts drafting above ``enter`` (1.2x) and stops only below ``stay`` (1.1x): at 1.15x each keeps what
+    """A batch starts drafting above ``enter`` (1.1x) and stops only below ``stay`` (1.0x): at 1.05x each keeps what
     it does, so noise near the margin does not flip it (each switch re-reads what the drafts missed). Fails with one
-    threshold for both (checked: with ``stay`` at ``enter``, the drafting batch stops at 1.15x)."""
-    verdict = _probed(5.0)  # 1.25x
+    threshold for both (checked: with ``stay`` at ``enter``, the drafting batch stops at 1.05x)."""
+    verdict = _probed(4.8)  # 1.2x
     assert verdict.judge(BATCH, 6, 0.0, 0.0) is Verdict.DRAFT
-    _verifies(verdict, 4.6)  # 1.15x
-    assert verdict.judge(BATCH, 7, 0.0, 0.0) is Verdict.DRAFT
     _verifies(verdict, 4.2)  # 1.05x
+    assert verdict.judge(BATCH, 7, 0.0, 0.0) is Verdict.DRAFT
+    _verifies(verdict, 3.8)  # 0.95x
     assert verdict.judge(BATCH, 8, 0.0, 0.0) is not Verdict.DRAFT
-    _verifies(verdict, 4.6)  # 1.15x again: the plain batch stays plain, and probes nothing
+    _verifies(verdict, 4.2)  # 1.05x again: the plain batch stays plain, and probes nothing
     assert verdict.judge(BATCH, 9, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
 
 
 def test_a_plain_batch_starts_drafting_only_on_a_probes_measure() -> None:
-    """After a probe said plain (4.4 tokens a verify, 1.1x), its explorations' few verifies read 5.2 (1.3x): that is
+    """After a probe said plain (4.2 tokens a verify, 1.05x), its explorations' few verifies read 5.2 (1.3x): that is
     a promise, not a measure (four requests' verifies, against costs measured at other lengths). The batch probes
     again where that is cheap, ``promise_gap`` (64) steps after the last probe, and drafts only if the probe agrees;
-    where its drafts would first read 3 ms of catch-up a step (amortised: the batch's end is near), the promise is
-    1.17x and it does not probe. Fails if the batch drafts on the explorers' verifies (checked: DRAFT at step 7)."""
-    verdict = _probed(4.4)
+    where its drafts would first read 5 ms of catch-up a step (amortised: the batch's end is near), the promise is
+    1.09x and it does not probe. Fails if the batch drafts on the explorers' verifies (checked: DRAFT at step 7)."""
+    verdict = _probed(4.2)
     assert verdict.judge(BATCH, 6, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)
     _verifies(verdict, 5.2)
     assert verdict.judge(BATCH, 7, 0.0, 0.0) in (Verdict.PLAIN, Verdict.EXPLORE)  # within promise_gap of the probe
-    assert verdict.judge(BATCH, 70, 0.0, 3e-3) in (Verdict.PLAIN, Verdict.EXPLORE)
+    assert verdict.judge(BATCH, 70, 0.0, 5e-3) in (Verdict.PLAIN, Verdict.EXPLORE)
     assert verdict.judge(BATCH, 71, 0.0, 0.0) is Verdict.PROBE
 
 
@@ -209,3 +209,61 @@ def test_the_tokens_a_verify_keeps_follow_the_verifies() -> None:
     assert verdict.tokens == 1.0
     _verifies(verdict, 4.4)
     assert verdict.tokens == pytest.approx(4.4, abs=0.1)
+
+
+def _at(verdict: BatchVerdict, position: int, tokens: int, steps: int = 1) -> None:
+    """``steps`` steps of 32 full-depth verifies that each kept ``tokens``, for requests that had written
+    ``position`` tokens."""
+    for _ in range(steps):
+        for _ in range(BATCH):
+            verdict.observe_verify(tokens - 1, position)
+        verdict.close_step()
+
+
+def test_a_batchs_remaining_life_weighs_each_output_position_by_its_own_measure() -> None:
+    """Verifies kept 2 tokens over their requests' first 16 outputs and 6 later on. A request at its start with 96
+    tokens to write then expects 96 tokens over 16 / 2 + 80 / 6 verifies (4.5 a verify); one at 48 with 48 to write,
+    6; a budget of 1,000 is judged over ``life_horizon`` (256) tokens only (5.33); a position not measured yet takes
+    its nearest measured neighbour's value; nothing measured, no estimate. Fails if the positions are not told apart
+    (checked: 4.0 for all, the mean of the two measures)."""
+    verdict = BatchVerdict()
+    assert verdict.life_tokens([(0, 96)]) is None
+    _at(verdict, 3, 2)
+    _at(verdict, 20, 6)
+    assert verdict.life_tokens([(0, 96)]) == pytest.approx(96 / (16 / 2 + 80 / 6))
+    assert verdict.life_tokens([(48, 48)]) == pytest.approx(6.0)
+    assert verdict.life_tokens([(0, 1000)]) == pytest.approx(256 / (16 / 2 + 240 / 6))
+    assert verdict.life_tokens([(0, 96), (48, 48)]) == pytest.approx(144 / (16 / 2 + 80 / 6 + 48 / 6))
+
+
+def _probed_at_start(later: int) -> BatchVerdict:
+    """A verdict whose verifies kept ``later`` tokens past their requests' 16th output (an earlier batch drafted
+    there), then probed a new batch at its start: three steady whole-batch drafts whose verifies (at output 3) kept
+    2.8 tokens, and its two plain steps."""
+    verdict = BatchVerdict()
+    _at(verdict, 20, later, steps=5)
+    _at(verdict, 40, later, steps=5)
+    _plain(verdict, BATCH, PLAIN * BATCH, 0)
+    assert verdict.judge(BATCH, 1, 0.0, 0.0) is Verdict.PROBE
+    for step in (1, 2, 3):
+        for i in range(BATCH):
+            verdict.observe_verify(1 + (i % 5 < 4), 3)  # 2.8 tokens a verify
+        _whole(verdict, BATCH, DRAFT * BATCH, BATCH, step)
+    for step in (4, 5):
+        assert verdict.judge(BATCH, step, 0.0, 0.0) is Verdict.PLAIN
+        _plain(verdict, BATCH, PLAIN * BATCH, step)
+    return verdict
+
+
+def test_a_probe_at_a_batchs_start_is_judged_over_the_batchs_life() -> None:
+    """A request's first outputs are where a draft agrees least with its target (on the bench's fresh prompts at 32
+    streams a verify kept 2.7 tokens over the first 16, 5.6 from the 32nd on), and a probe is taken where the catch-up
+    is cheap: at a new batch's start. Its 2.8 tokens a verify are 0.7x plain's rate (a draft costs four plain steps);
+    over the batch's 93 outputs to come, with 6 tokens a verify measured past the 16th, the batch expects 5.2 (1.3x):
+    it drafts. Where the later outputs kept 4, the life expects 3.8 (0.94x): plain. Fails if the verdict judges the
+    probe by its own verifies alone (checked: plain at 6)."""
+    spans = [(3, 93)] * BATCH
+    good = _probed_at_start(6)
+    assert good.judge(BATCH, 6, 0.0, 0.0, life=good.life_tokens(spans)) is Verdict.DRAFT
+    poor = _probed_at_start(4)
+    assert poor.judge(BATCH, 6, 0.0, 0.0, life=poor.life_tokens(spans)) in (Verdict.PLAIN, Verdict.EXPLORE)

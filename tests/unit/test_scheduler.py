@@ -331,15 +331,18 @@ def test_each_decode_steps_batch_and_planned_depth_reach_the_measured_verdict() 
     decodes and the depth it was planned at. Six requests decoding under adaptive n-gram speculation, every step
     taking 6 ms, every draft accepted: once a plain step and a whole-batch draft (the rule's first steps alternate the
     two) have committed,
-    the six-request regime holds both costs, 1 ms a request. Fails if the scheduler does not report the step's
-    decodes or its planned depth (checked: no cost measured)."""
+    the six-request regime holds both costs, 1 ms a request, and the next plan tells each decode's output position.
+    Fails if the scheduler does not report the step's decodes or its planned depth (checked: no cost measured), or
+    each request's output position (checked: all at 0)."""
     s = _sched(speculative=SpeculativeConfig(SpecAlgorithm.NGRAM, num_draft_tokens=4), max_running=8)
     for i in range(6):
         s.add(_req(f"r{i}", 3, max_new=20))
     timing, committed = StepTiming(done=0.006), {f"r{i}": 0 for i in range(6)}
+    written: list[tuple[int, int]] = []  # each decode's position as the policy was told it, and as committed
     for _ in range(8):
         plan = s.plan()
         assert plan is not None
+        written += [(r.drafting.written, len(r.output_ids)) for r in s._running if r.state is RequestState.DECODING]
         runs = tuple(  # every draft token accepted
             SampledRun(e.request_id, committed[e.request_id], (7,) * (1 + e.num_draft), e.num_draft, e.num_draft)
             for e in plan.entries
@@ -350,6 +353,8 @@ def test_each_decode_steps_batch_and_planned_depth_reach_the_measured_verdict() 
         _commit(s, StepResult(plan.step_id, runs, timing))
     here = s._policy._verdict._regimes[regime(6)]
     assert here.plain.value == pytest.approx(0.001) and here.draft.value == pytest.approx(0.001), here
+    # Each decode's output position as planned: the verdict weighs a batch's remaining life by it (life_tokens).
+    assert written and all(w == n for w, n in written) and any(n for _, n in written), written
 
 
 def test_drafts_never_let_a_run_outgrow_max_new_tokens() -> None:
