@@ -152,12 +152,17 @@ class _ByPosition:
                 measure.add(here[0] / here[1])
                 here[0] = here[1] = 0.0
 
-    def verifies(self, start: int, count: int) -> float | None:
-        """The verifies ``count`` tokens at output positions from ``start`` are expected to take (None: no bucket
-        measured). A bucket not measured yet takes its nearest measured neighbour's value."""
-        values = self._values()
-        if values is None:
+    def values(self) -> list[float] | None:
+        """Tokens a verify keeps in each bucket, one not measured yet taking its nearest measured neighbour's value
+        (None: none measured)."""
+        known = [(i, m.value) for i, m in enumerate(self._measures) if m.value is not None]
+        if not known:
             return None
+        return [min(known, key=lambda k: abs(k[0] - i))[1] for i in range(len(self._measures))]
+
+    @staticmethod
+    def verifies(values: list[float], start: int, count: int) -> float:
+        """The verifies ``count`` tokens at output positions from ``start`` are expected to take at ``values``."""
         total, position, end = 0.0, start, start + count
         while position < end:
             bucket = bisect_right(POSITION_EDGES, position)
@@ -166,12 +171,6 @@ class _ByPosition:
             total += piece / values[bucket]
             position += piece
         return total
-
-    def _values(self) -> list[float] | None:
-        known = [(i, m.value) for i, m in enumerate(self._measures) if m.value is not None]
-        if not known:
-            return None
-        return [min(known, key=lambda k: abs(k[0] - i))[1] for i in range(len(self._measures))]
 
 
 @dataclass
@@ -224,13 +223,13 @@ class BatchVerdict:
         the verifies they would take, by the measure per output position (None: none measured). A whole-batch draft
         pays or not over the batch's life, not over its next few steps: a batch measured where its requests begin
         reads their weakest phase."""
+        values = self._by_position.values()
+        if values is None:
+            return None
         tokens = verifies = 0.0
         for start, left in spans:
             count = min(max(left, 1), self.config.life_horizon)
-            taken = self._by_position.verifies(start, count)
-            if taken is None:
-                return None
-            tokens, verifies = tokens + count, verifies + taken
+            tokens, verifies = tokens + count, verifies + _ByPosition.verifies(values, start, count)
         return tokens / verifies if verifies else None
 
     def judge(

@@ -30,25 +30,33 @@ def _whole(verdict: BatchVerdict, requests: int, seconds: float, catch_up: int, 
     verdict.observe_step(PlannedBatch(requests, requests, DEPTH), DEPTH, seconds, catch_up, step)
 
 
-def _verifies(verdict: BatchVerdict, tokens: float, steps: int = 20) -> None:
+def _verifies(verdict: BatchVerdict, tokens: float, steps: int = 20, position: int = 0) -> None:
     """``steps`` steps of 32 full-depth verifies whose tokens average ``tokens``: accepted counts spread evenly around
-    its mean."""
+    its mean, for requests that had written ``position`` tokens."""
     low = int(tokens - 1.0)
     share = tokens - 1.0 - low  # of the verifies, those keeping one more
     for i in range(steps * BATCH):
-        verdict.observe_verify(low + (1 if (i * share) % 1.0 + share >= 1.0 else 0))
+        verdict.observe_verify(low + (1 if (i * share) % 1.0 + share >= 1.0 else 0), position)
         if i % BATCH == BATCH - 1:
             verdict.close_step()
 
 
-def _probed(tokens: float, plain: float = PLAIN, draft: float = DRAFT, batch: int = BATCH) -> BatchVerdict:
-    """A verdict that measured a plain step of ``batch`` decodes, then probed: three steady whole-batch drafts whose
-    verifies kept ``tokens`` on average, then two plain steps at the same lengths. Its next verdict is the probe's."""
-    verdict = BatchVerdict()
+def _probed(
+    tokens: float,
+    plain: float = PLAIN,
+    draft: float = DRAFT,
+    batch: int = BATCH,
+    verdict: BatchVerdict | None = None,
+    position: int = 0,
+) -> BatchVerdict:
+    """A verdict (``verdict``, or a new one) that measured a plain step of ``batch`` decodes, then probed: three steady
+    whole-batch drafts whose verifies (at output ``position``) kept ``tokens`` on average, then two plain steps at the
+    same lengths. Its next verdict is the probe's."""
+    verdict = BatchVerdict() if verdict is None else verdict
     _plain(verdict, batch, plain * batch, 0)
     assert verdict.judge(batch, 1, 0.0, 0.0) is Verdict.PROBE
     for step in (1, 2, 3):
-        _verifies(verdict, tokens, steps=1)
+        _verifies(verdict, tokens, steps=1, position=position)
         _whole(verdict, batch, draft * batch, batch, step)
     for step in (4, 5):
         assert verdict.judge(batch, step, 0.0, 0.0) is Verdict.PLAIN
@@ -243,16 +251,7 @@ def _probed_at_start(later: int) -> BatchVerdict:
     verdict = BatchVerdict()
     _at(verdict, 20, later, steps=5)
     _at(verdict, 40, later, steps=5)
-    _plain(verdict, BATCH, PLAIN * BATCH, 0)
-    assert verdict.judge(BATCH, 1, 0.0, 0.0) is Verdict.PROBE
-    for step in (1, 2, 3):
-        for i in range(BATCH):
-            verdict.observe_verify(1 + (i % 5 < 4), 3)  # 2.8 tokens a verify
-        _whole(verdict, BATCH, DRAFT * BATCH, BATCH, step)
-    for step in (4, 5):
-        assert verdict.judge(BATCH, step, 0.0, 0.0) is Verdict.PLAIN
-        _plain(verdict, BATCH, PLAIN * BATCH, step)
-    return verdict
+    return _probed(2.8, verdict=verdict, position=3)
 
 
 def test_a_probe_at_a_batchs_start_is_judged_over_the_batchs_life() -> None:
