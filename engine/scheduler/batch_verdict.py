@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -161,16 +161,19 @@ class _ByPosition:
         return [min(known, key=lambda k: abs(k[0] - i))[1] for i in range(len(self._measures))]
 
     @staticmethod
-    def verifies(values: list[float], start: int, count: int) -> float:
-        """The verifies ``count`` tokens at output positions from ``start`` are expected to take at ``values``."""
-        total, position, end = 0.0, start, start + count
-        while position < end:
+    def up_to(values: list[float]) -> Callable[[int], float]:
+        """The verifies the outputs before a position are expected to take at ``values``: each bucket's whole share
+        summed once, so that a request's remaining life costs two lookups (a plan prices every decode's)."""
+        whole = [0.0]  # the verifies before each bucket's lower edge
+        for i, upper in enumerate(POSITION_EDGES):
+            whole.append(whole[-1] + (upper - (POSITION_EDGES[i - 1] if i else 0)) / values[i])
+
+        def before(position: int) -> float:
             bucket = bisect_right(POSITION_EDGES, position)
-            upper = POSITION_EDGES[bucket] if bucket < len(POSITION_EDGES) else end
-            piece = min(upper, end) - position
-            total += piece / values[bucket]
-            position += piece
-        return total
+            lower = POSITION_EDGES[bucket - 1] if bucket else 0
+            return whole[bucket] + (position - lower) / values[bucket]
+
+        return before
 
 
 @dataclass
@@ -226,10 +229,11 @@ class BatchVerdict:
         values = self._by_position.values()
         if values is None:
             return None
+        before = _ByPosition.up_to(values)
         tokens = verifies = 0.0
         for start, left in spans:
             count = min(max(left, 1), self.config.life_horizon)
-            tokens, verifies = tokens + count, verifies + _ByPosition.verifies(values, start, count)
+            tokens, verifies = tokens + count, verifies + before(start + count) - before(start)
         return tokens / verifies if verifies else None
 
     def judge(
