@@ -260,7 +260,7 @@ class BatchVerdict:
         cheap = quiet and plain_cost is not None and catch_up <= self.config.probe_catch_up * plain_cost * requests
         if here.draft.value is None:
             return self._probe(here, step) if cheap else None
-        tokens = self._tokens.value if life is None or self._tokens.value is None else life
+        tokens = self._tokens.value if life is None else life  # both fed by the same verifies: life implies a value
         if here.plain.value is None or tokens is None:
             return None
         after_probe, here.judge_probe = here.judge_probe, False
