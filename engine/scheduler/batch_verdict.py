@@ -87,6 +87,7 @@ class VerdictConfig:
     explore_every: int = 16  # the first gap between explorations of a plain regime
     max_explore_every: int = 256  # the gap doubles after each up to this
     life_horizon: int = 256  # the most output tokens ahead of a request its remaining life is judged over
+    position_least: int = 16  # verifies at an output position's bucket from which its measure counts
 
 
 @dataclass(frozen=True)
@@ -134,12 +135,22 @@ class _ByPosition:
     """Tokens a full-depth verify keeps, by the verified request's output position (the tokens it had written), in
     buckets that double (POSITION_EDGES). A request's acceptance moves along its output: on the bench's prompts at 32
     streams a verify kept 2.7 tokens over a request's first 16 outputs and 5.6 from its 32nd on (fresh prompts), 2.0
-    and 3.9 (repeating ones). A step's verifies in one bucket count as one sample (explorers' four verifies and a
-    whole batch's 32 alike)."""
+    and 3.9 (repeating ones).
 
-    def __init__(self, weight: float) -> None:
-        self._measures = [_Measure(weight) for _ in range(len(POSITION_EDGES) + 1)]
-        self._step = [[0.0, 0.0] for _ in self._measures]  # per bucket: the committing step's tokens, verifies
+    A bucket's measure is its tokens over its verifies, both sums fading by ``1 - weight`` with each step that adds to
+    them: a step's weight is its verifies there, not one sample whatever their number. The requests that reach a
+    position first are those whose drafts were accepted most, so in a batch whose requests began together a later
+    bucket's first verifies are the batch's best: taken a step each as a whole sample, three fast requests at their
+    63rd output set the bucket's value for a batch of 32 (on the repeating prompts the life read 5.1 tokens a verify
+    where the batch's verifies kept 3.2). Weighed by their verifies, the slower requests that follow weigh as they
+    cost: the bucket's tokens over its verifies is what a request's remaining outputs there cost in verifies. A
+    bucket counts from ``least`` verifies."""
+
+    def __init__(self, weight: float, least: int) -> None:
+        self._keep = 1.0 - weight
+        self._least = least
+        self._sums = [[0.0, 0.0, 0] for _ in range(len(POSITION_EDGES) + 1)]  # per bucket: tokens, verifies, seen
+        self._step = [[0.0, 0.0] for _ in self._sums]  # per bucket: the committing step's tokens, verifies
 
     def add(self, position: int, tokens: float) -> None:
         here = self._step[bisect_right(POSITION_EDGES, position)]
@@ -147,18 +158,20 @@ class _ByPosition:
         here[1] += 1.0
 
     def close_step(self) -> None:
-        for measure, here in zip(self._measures, self._step, strict=True):
+        for sums, here in zip(self._sums, self._step, strict=True):
             if here[1]:
-                measure.add(here[0] / here[1])
+                sums[0] = self._keep * sums[0] + here[0]
+                sums[1] = self._keep * sums[1] + here[1]
+                sums[2] += int(here[1])
                 here[0] = here[1] = 0.0
 
     def values(self) -> list[float] | None:
-        """Tokens a verify keeps in each bucket, one not measured yet taking its nearest measured neighbour's value
-        (None: none measured)."""
-        known = [(i, m.value) for i, m in enumerate(self._measures) if m.value is not None]
+        """Tokens a verify keeps in each bucket, one not measured yet (fewer than ``least`` verifies) taking its
+        nearest measured neighbour's value (None: none measured)."""
+        known = [(i, t / v) for i, (t, v, seen) in enumerate(self._sums) if seen >= self._least]
         if not known:
             return None
-        return [min(known, key=lambda k: abs(k[0] - i))[1] for i in range(len(self._measures))]
+        return [min(known, key=lambda k: abs(k[0] - i))[1] for i in range(len(self._sums))]
 
     @staticmethod
     def up_to(values: list[float]) -> Callable[[int], float]:
@@ -208,7 +221,7 @@ class BatchVerdict:
 
     def __post_init__(self) -> None:
         self._tokens = _Measure(self.config.accept_weight)
-        self._by_position = _ByPosition(self.config.accept_weight)
+        self._by_position = _ByPosition(self.config.accept_weight, self.config.position_least)
 
     @property
     def tokens(self) -> float:

@@ -244,6 +244,39 @@ def test_a_batchs_remaining_life_weighs_each_output_position_by_its_own_measure(
     assert verdict.life_tokens([(0, 96), (48, 48)]) == pytest.approx(144 / (16 / 2 + 80 / 6 + 48 / 6))
 
 
+def _step_at(verdict: BatchVerdict, position: int, tokens: int, verifies: int) -> None:
+    """One committed step of ``verifies`` full-depth verifies that each kept ``tokens``, for requests that had
+    written ``position`` tokens."""
+    for _ in range(verifies):
+        verdict.observe_verify(tokens - 1, position)
+    verdict.close_step()
+
+
+def test_a_later_position_is_weighed_by_its_verifies_not_by_the_requests_that_reach_it_first() -> None:
+    """In a batch whose requests began together, the first to reach a later output are those whose drafts were
+    accepted most. Here, past the 64th output: a step where three fast requests kept 7 tokens a verify, then one where
+    the other 29 kept 3. A request's remaining outputs there cost verifies at the bucket's tokens over its verifies,
+    3.3 (the fast step fading by 0.8), not 5.0, the two steps' means averaged as samples. Fails if each step's
+    verifies count as one sample whatever their number (checked: 4.8)."""
+    verdict = BatchVerdict()
+    _step_at(verdict, 70, 7, 3)
+    _step_at(verdict, 70, 3, 29)
+    assert verdict.life_tokens([(70, 20)]) == pytest.approx((0.8 * 21 + 87) / (0.8 * 3 + 29))
+
+
+def test_a_position_counts_only_from_enough_verifies() -> None:
+    """Three fast requests' verifies past the 64th output (7 tokens each, fewer than ``position_least``) do not set
+    that position's measure: its outputs take the nearest counted one's (2 tokens, the first 16 outputs) until 16
+    verifies are in. Fails if a bucket counts from its first verify (checked: 7.0)."""
+    verdict = BatchVerdict()
+    _step_at(verdict, 3, 2, 32)
+    for _ in range(5):
+        _step_at(verdict, 70, 7, 3)
+    assert verdict.life_tokens([(70, 20)]) == pytest.approx(2.0)
+    _step_at(verdict, 70, 7, 3)
+    assert verdict.life_tokens([(70, 20)]) == pytest.approx(7.0)
+
+
 def _probed_at_start(later: int) -> BatchVerdict:
     """A verdict whose verifies kept ``later`` tokens past their requests' 16th output (an earlier batch drafted
     there), then probed a new batch at its start: three steady whole-batch drafts whose verifies (at output 3) kept
