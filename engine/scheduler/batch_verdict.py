@@ -140,8 +140,8 @@ class _ByPosition:
     A bucket's measure is its tokens over its verifies, both sums fading by ``1 - weight`` with each step that adds to
     them: a step's weight is its verifies there, not one sample whatever their number. The requests that reach a
     position first are those whose drafts were accepted most, so in a batch whose requests began together a later
-    bucket's first verifies are the batch's best: taken a step each as a whole sample, three fast requests at their
-    63rd output set the bucket's value for a batch of 32 (on the repeating prompts the life read 5.1 tokens a verify
+    bucket's first verifies are the batch's best: taken a step each as a whole sample, three fast requests past their
+    64th output set the bucket's value for a batch of 32 (on the repeating prompts the life read 5.1 tokens a verify
     where the batch's verifies kept 3.2). Weighed by their verifies, the slower requests that follow weigh as they
     cost: the bucket's tokens over its verifies is what a request's remaining outputs there cost in verifies. A
     bucket counts from ``least`` verifies."""

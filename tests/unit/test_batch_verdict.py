@@ -256,8 +256,9 @@ def test_a_later_position_is_weighed_by_its_verifies_not_by_the_requests_that_re
     """In a batch whose requests began together, the first to reach a later output are those whose drafts were
     accepted most. Here, past the 64th output: a step where three fast requests kept 7 tokens a verify, then one where
     the other 29 kept 3. A request's remaining outputs there cost verifies at the bucket's tokens over its verifies,
-    3.3 (the fast step fading by 0.8), not 5.0, the two steps' means averaged as samples. Fails if each step's
-    verifies count as one sample whatever their number (checked: 4.8)."""
+    3.3 (the fast step fading by 0.8), not the 5.0 the record read when each step's mean was a sample of a moving
+    average. Fails if each step's verifies count as one sample whatever their number (checked: 4.8, the sums fading
+    as here)."""
     verdict = BatchVerdict()
     _step_at(verdict, 70, 7, 3)
     _step_at(verdict, 70, 3, 29)
