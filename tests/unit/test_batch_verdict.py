@@ -219,11 +219,11 @@ def test_the_tokens_a_verify_keeps_follow_the_verifies() -> None:
     assert verdict.tokens == pytest.approx(4.4, abs=0.1)
 
 
-def _at(verdict: BatchVerdict, position: int, tokens: int, steps: int = 1) -> None:
-    """``steps`` steps of 32 full-depth verifies that each kept ``tokens``, for requests that had written
+def _at(verdict: BatchVerdict, position: int, tokens: int, steps: int = 1, verifies: int = BATCH) -> None:
+    """``steps`` steps of ``verifies`` full-depth verifies that each kept ``tokens``, for requests that had written
     ``position`` tokens."""
     for _ in range(steps):
-        for _ in range(BATCH):
+        for _ in range(verifies):
             verdict.observe_verify(tokens - 1, position)
         verdict.close_step()
 
@@ -244,14 +244,6 @@ def test_a_batchs_remaining_life_weighs_each_output_position_by_its_own_measure(
     assert verdict.life_tokens([(0, 96), (48, 48)]) == pytest.approx(144 / (16 / 2 + 80 / 6 + 48 / 6))
 
 
-def _step_at(verdict: BatchVerdict, position: int, tokens: int, verifies: int) -> None:
-    """One committed step of ``verifies`` full-depth verifies that each kept ``tokens``, for requests that had
-    written ``position`` tokens."""
-    for _ in range(verifies):
-        verdict.observe_verify(tokens - 1, position)
-    verdict.close_step()
-
-
 def test_a_later_position_is_weighed_by_its_verifies_not_by_the_requests_that_reach_it_first() -> None:
     """In a batch whose requests began together, the first to reach a later output are those whose drafts were
     accepted most. Here, past the 64th output: a step where three fast requests kept 7 tokens a verify, then one where
@@ -260,8 +252,8 @@ def test_a_later_position_is_weighed_by_its_verifies_not_by_the_requests_that_re
     average. Fails if each step's verifies count as one sample whatever their number (checked: 4.8, the sums fading
     as here)."""
     verdict = BatchVerdict()
-    _step_at(verdict, 70, 7, 3)
-    _step_at(verdict, 70, 3, 29)
+    _at(verdict, 70, 7, verifies=3)
+    _at(verdict, 70, 3, verifies=29)
     assert verdict.life_tokens([(70, 20)]) == pytest.approx((0.8 * 21 + 87) / (0.8 * 3 + 29))
 
 
@@ -270,11 +262,11 @@ def test_a_position_counts_only_from_enough_verifies() -> None:
     that position's measure: its outputs take the nearest counted one's (2 tokens, the first 16 outputs) until 16
     verifies are in. Fails if a bucket counts from its first verify (checked: 7.0)."""
     verdict = BatchVerdict()
-    _step_at(verdict, 3, 2, 32)
+    _at(verdict, 3, 2, verifies=32)
     for _ in range(5):
-        _step_at(verdict, 70, 7, 3)
+        _at(verdict, 70, 7, verifies=3)
     assert verdict.life_tokens([(70, 20)]) == pytest.approx(2.0)
-    _step_at(verdict, 70, 7, 3)
+    _at(verdict, 70, 7, verifies=3)
     assert verdict.life_tokens([(70, 20)]) == pytest.approx(7.0)
 
 
