@@ -52,6 +52,7 @@ decodes plainly (the model, which weighs every depth, decides below ``from_reque
 from __future__ import annotations
 
 import math
+import statistics
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class VerdictConfig:
     draft_weight: float = 0.2  # weight of a new steady step in a regime's measured drafting cost
     plain_weight: float = 0.2  # of a new plain step in its plain cost
     accept_weight: float = 0.2  # of a step's full-depth verifies in the measured tokens per verify
+    spike: float = 1.3  # a step's cost counts at most this multiple of its measure (an interruption only adds time)
     enter: float = 1.1  # drafting's rate over plain's above which a plain batch starts drafting (after a probe)
     stay: float = 1.0  # and below which a drafting batch stops
     promise_gap: int = 64  # the fewest steps between two probes where the explorations promise drafting pays
@@ -108,23 +110,42 @@ def regime(requests: int) -> int:
 
 
 class _Measure:
-    """A measured quantity (a step's cost in seconds a request, the tokens a verify keeps): the mean of the samples
-    since it was last started afresh, then a moving average (a step's cost drifts with its requests' lengths and the
-    host's load, the tokens with the prompts)."""
+    """A measured quantity (a step's cost in seconds a request, the tokens a verify keeps): from the samples since it
+    was last started afresh, then a moving average (a step's cost drifts with its requests' lengths and the host's
+    load, the tokens with the prompts).
 
-    def __init__(self, weight: float) -> None:
+    A cost (``spike`` set) is measured robustly: a host's interruptions only ever add time, and at 32 streams one
+    drafting step in seven to ten took 1.3-2x its neighbours (docs/speculative.md, twenty-second session). Its fresh
+    samples give their lower median (a probe's three drafting steps their median, its two plain steps the lower), and
+    a later sample counts at most ``spike`` times the measure. Left to the mean, one step among a probe's three that
+    took twice its time raised the drafting cost by a third, and the batch's verdict followed the interruption. The
+    tokens are not clipped: a verify keeps anything from 1 to the depth's."""
+
+    def __init__(self, weight: float, spike: float | None = None) -> None:
         self.weight = weight
+        self.spike = spike
         self.value: float | None = None
         self.samples = 0
+        self._fresh: list[float] = []  # a cost's samples since the restart, while their mean would still be taken
 
     def add(self, sample: float) -> None:
         self.samples += 1
         old = self.value
-        self.value = sample if old is None else old + max(self.weight, 1.0 / self.samples) * (sample - old)
+        if self.spike is not None and self.samples <= 1.0 / self.weight:
+            self._fresh.append(sample)
+            self.value = statistics.median_low(self._fresh)
+            return
+        if old is None:
+            self.value = sample
+            return
+        if self.spike is not None:
+            sample = min(sample, self.spike * old)
+        self.value = old + max(self.weight, 1.0 / self.samples) * (sample - old)
 
     def restart(self) -> None:
-        """The next sample starts the mean afresh (kept till then)."""
+        """The next sample starts the measure afresh (kept till then)."""
         self.samples = 0
+        self._fresh.clear()
 
 
 # A request's output position buckets for the tokens a verify keeps: [0, 16), [16, 32), [32, 64), ... doubling.
@@ -327,7 +348,10 @@ class BatchVerdict:
         if here is None:
             config = self.config
             here = self._regimes[key] = _Regime(
-                _Measure(config.plain_weight), _Measure(config.draft_weight), config.refresh, config.explore_every
+                _Measure(config.plain_weight, config.spike),
+                _Measure(config.draft_weight, config.spike),
+                config.refresh,
+                config.explore_every,
             )
         return here
 
