@@ -126,7 +126,7 @@ class _Measure:
         self.spike = spike
         self.value: float | None = None
         self.samples = 0
-        self._fresh: list[float] = []  # a cost's samples since the restart, while their mean would still be taken
+        self._fresh: list[float] = []  # a cost's samples since the restart, up to 1 / weight of them
 
     def add(self, sample: float) -> None:
         self.samples += 1
