@@ -121,7 +121,7 @@ def decode_attention(
     window: int | None,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """All single-token queries at once. q: [B, H, D] -> [B, H, D].
+    """All decode queries at once (single tokens, and runs of them as ``group.runs`` says). q: [B, H, D] -> [B, H, D].
 
     CPU float32 runs the native paged kernel (reads K/V in place); everything else, or ``ORDINAL_NATIVE=0``,
     gathers pages and calls SDPA with ``mask`` ([B, 1, 1, P * page_size], built for ``window``).
@@ -130,7 +130,8 @@ def decode_attention(
         kernel = paged_decode_kernel()
         if kernel is not None:
             scale = 1.0 / math.sqrt(q.shape[-1])  # SDPA's default, which the torch path uses
-            return kernel(q, k_cache, v_cache, group.page_tables, group.kv_lens, group.page_size, window or 0, scale)
+            tables, lens, size = group.page_tables, group.kv_lens, group.page_size
+            return kernel(q, k_cache, v_cache, tables, lens, size, window or 0, scale, group.runs)
     if mask is None:
         mask = group.mask(window)
     return _decode_torch(q, k_cache, v_cache, group, mask)

@@ -96,7 +96,9 @@ class DecodeGroup:
 
     Query b's keys are positions ``0 .. kv_lens[b]-1``, found through its sequence's page table row
     ``page_tables[b]`` (padded with page 0 past its last page). Attention reads the pool by page, never by
-    token: the native kernel walks the table in place, the torch path gathers whole pages.
+    token: the native kernel walks the table in place, the torch path gathers whole pages. ``runs`` groups the
+    queries of one sequence's run (a verify's chain), which the native kernel attends together: each key read once
+    for all of them.
     """
 
     rows: torch.Tensor  # [B] row of each query token in the flattened batch
@@ -104,6 +106,7 @@ class DecodeGroup:
     kv_lens: torch.Tensor  # [B] number of keys (= query position + 1)
     page_size: int
     covers_batch: bool  # rows == 0 .. T-1: the batch is all decodes, queries need no gather/scatter
+    runs: torch.Tensor | None = None  # [M + 1] queries runs[m] .. runs[m + 1] - 1 are one sequence's; None: one each
 
     @property
     def padded_len(self) -> int:
@@ -351,12 +354,17 @@ def _decode_group(
     seq = np.repeat(picked, lens)  # [B] sequence of each query
     offset = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)  # [B]
     width = int(layout.page_counts[picked].max())
+    runs = None
+    if int(lens.max()) > 1:
+        runs = np.zeros(picked.size + 1, dtype=np.int64)  # [M + 1]
+        np.cumsum(lens, out=runs[1:])
     return DecodeGroup(
         rows=_to(layout.row_starts[seq] + offset, device),  # [B]
         page_tables=_to(layout.page_tables[seq, :width], device),  # [B, P]
         kv_lens=_to(layout.starts[seq] + offset + 1, device),  # [B] query j of a run sees positions 0 .. start + j
         page_size=layout.page_size,
         covers_batch=bool(members.all()),
+        runs=None if runs is None else _to(runs, "cpu"),  # host-side: only the native kernel reads it
     )
 
 

@@ -128,9 +128,10 @@ def build_library(
 class PagedDecodeKernel:
     """The loaded paged decode attention kernel (``ordinal_paged_decode`` in ``paged_decode.c``).
 
-    One query token per sequence; K/V are read in place from the pool through the page tables, the GQA
-    group of query heads of one kv head is handled together, and (sequence, kv head) items run in parallel
-    on ``torch.get_num_threads()`` OpenMP threads.
+    One query token per sequence, or a short run of them (a verify's chain, ``runs``); K/V are read in place from
+    the pool through the page tables, the GQA group of query heads of one kv head is handled together (with a run's
+    queries, as the lanes of one vector), and (sequence, kv head) items run in parallel on
+    ``torch.get_num_threads()`` OpenMP threads.
     """
 
     path: Path
@@ -143,7 +144,14 @@ class PagedDecodeKernel:
         fn = library.ordinal_paged_decode
         fn.restype = ctypes.c_int
         # Pointers travel as plain addresses (Tensor.data_ptr()); the C side declares their element types.
-        fn.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [
+            *[ctypes.c_void_p] * 6,
+            *[ctypes.c_int64] * 7,
+            ctypes.c_float,
+            ctypes.c_int,
+            ctypes.c_void_p,  # runs, or None
+            ctypes.c_int64,  # their count
+        ]
         return cls(path, library)
 
     def __call__(
@@ -156,17 +164,25 @@ class PagedDecodeKernel:
         page_size: int,
         window: int,
         scale: float,
+        runs: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [B, H, D]; k_pool, v_pool: [slots, Hkv, D]; page_tables: [B, P] int64; kv_lens: [B] int64.
+        """q: [B, H, D]; k_pool, v_pool: [slots, Hkv, D]; page_tables: [B, P] int64; kv_lens: [B] int64; runs:
+        [S + 1] int64 or None, sequence s's queries being rows ``runs[s] .. runs[s + 1] - 1`` (None: each row its
+        own sequence).
 
         All CPU float32 (indices int64). ``window`` 0 means full causal attention, otherwise the query at
         position ``kv_lens[b] - 1`` sees the last ``window`` keys. Returns [B, H, D].
 
-        The caller guarantees the values: ``1 <= kv_lens[b] <= P * page_size`` and every page id used is
-        inside the pool (ForwardBatch and the model's checks do); shapes, dtypes and layout are checked here.
+        The caller guarantees the values: ``1 <= kv_lens[b] <= P * page_size``, every page id used is inside the
+        pool, and ``runs`` rises from 0 to B with the rows of a run sharing its first row's page table (ForwardBatch
+        and the model's checks do); shapes, dtypes and layout are checked here.
         """
         batch, heads, head_dim = q.shape
         _check_args(q, k_pool, v_pool, page_tables, kv_lens, page_size, window)
+        if runs is not None and (runs.dtype != torch.int64 or runs.device.type != "cpu" or runs.dim() != 1):
+            raise ValueError(f"runs must be a 1-D CPU int64 tensor, got {runs.dtype} {tuple(runs.shape)}")
+        if runs is not None and not runs.is_contiguous():
+            raise ValueError("runs must be contiguous")
         q = q.contiguous()
         out = torch.empty_like(q)  # [B, H, D]
         status = self.library.ordinal_paged_decode(
@@ -185,6 +201,8 @@ class PagedDecodeKernel:
             window,
             scale,
             torch.get_num_threads(),
+            None if runs is None else runs.data_ptr(),
+            0 if runs is None else runs.shape[0] - 1,
         )
         if status != 0:
             raise MemoryError("paged decode kernel could not allocate its scratch buffers")

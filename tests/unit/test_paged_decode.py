@@ -176,6 +176,8 @@ def test_kernel_rejects_a_wrong_layout(kernel: PagedDecodeKernel) -> None:
         kernel(q[:, :3], k_pool, v_pool, group.page_tables, group.kv_lens, 4, 0, 1.0)
     with pytest.raises(ValueError, match="page_tables must be contiguous"):
         kernel(q, k_pool, v_pool, group.page_tables.t(), group.kv_lens, 4, 0, 1.0)
+    with pytest.raises(ValueError, match="runs must be a 1-D CPU int64"):
+        kernel(q, k_pool, v_pool, group.page_tables, group.kv_lens, 4, 0, 1.0, torch.tensor([0, 1, 2]).int())
 
 
 def test_mixed_batch_native_equals_torch_path(kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,6 +206,76 @@ def test_mixed_batch_native_equals_torch_path(kernel: PagedDecodeKernel, monkeyp
             outs.append(paged_attention(q, k, v, k_pool, v_pool, batch, masks))
     assert rel_err(outs[0], outs[2]) <= TOLERANCE and rel_err(outs[1], outs[3]) <= TOLERANCE
     assert rel_err(outs[0], outs[1]) > 1e-3  # the window matters for the long decodes
+
+
+def chain_case(
+    runs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, page_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeGroup]:
+    """Verify-like runs of ``(cached, n)``: n queries after ``cached`` keys, query j seeing ``cached + j + 1``, on
+    disjoint shuffled pages, as ForwardBatch groups them."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(NUM_PAGES, generator=gen).tolist()
+    seqs, used = [], 0
+    for cached, n in runs:
+        pages = -(-(cached + n) // page_size)
+        seqs.append(SeqInput([1] * n, cached, perm[used : used + pages], LogitsMode.ALL))
+        used += pages
+    assert used <= NUM_PAGES
+    group = ForwardBatch.build(seqs, page_size, "cpu").decode
+    assert group is not None and group.covers_batch
+    q = 2 * torch.randn(sum(n for _, n in runs), heads, head_dim, generator=gen)  # [B, H, D]
+    k_pool = torch.randn(NUM_PAGES * page_size, kv_heads, head_dim, generator=gen)  # [slots, Hkv, D]
+    v_pool = torch.randn(NUM_PAGES * page_size, kv_heads, head_dim, generator=gen)  # [slots, Hkv, D]
+    return q, k_pool, v_pool, group
+
+
+# A decode, runs too short for the lanes worker at two query heads a kv head (2), runs that take it (3, 7, 8), and
+# runs starting anywhere in a page.
+CHAINS = [(5, 1), (9, 2), (13, 3), (40, 7), (2, 8), (16, 7), (31, 4)]
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 20])
+@pytest.mark.parametrize("head_dim", [32, 64, 40])  # 40: the generic head_dim branch (a multiple of 8)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2), (16, 2)])
+def test_runs_match_the_naive_reference(
+    kernel: PagedDecodeKernel, heads: int, kv_heads: int, head_dim: int, window: int | None
+) -> None:
+    """A verify's chains attended as runs (query j of a run seeing one key more than query j - 1) equal the naive
+    per-query reference, whichever worker a run takes: one query head a kv head (a run of 8 fills 8 lanes) to eight
+    (a run of 7 fills 56 rows: four groups of lanes). Fails if the lanes worker lets a query see a key past its own
+    (``key <= hi``: a relative error of 0.69), or reads every query of a run with its first's length (0.88)."""
+    seed = heads * 1000 + kv_heads * 100 + head_dim + (window or 0)
+    q, k_pool, v_pool, group = chain_case(CHAINS, heads, kv_heads, head_dim, page_size=8, seed=seed)
+    assert group.runs is not None and group.runs.tolist() == [0, 1, 3, 6, 13, 21, 28, 32]
+    args = (group.page_tables, group.kv_lens, 8, window or 0, 1 / math.sqrt(head_dim))
+    ours = kernel(q, k_pool, v_pool, *args, group.runs)
+    assert rel_err(ours, naive_reference(q, k_pool, v_pool, group, window)) <= TOLERANCE
+    assert rel_err(ours, kernel(q, k_pool, v_pool, *args)) <= TOLERANCE  # the same queries one by one
+
+
+def test_runs_do_not_depend_on_thread_count(kernel: PagedDecodeKernel) -> None:
+    q, k_pool, v_pool, group = chain_case(CHAINS, 8, 4, 32, page_size=16, seed=12)
+    args = (group.page_tables, group.kv_lens, 16, 0, 0.125, group.runs)
+    one = kernel(q, k_pool, v_pool, *args)
+    torch.set_num_threads(2)
+    assert torch.equal(kernel(q, k_pool, v_pool, *args), one)
+
+
+def test_nan_in_a_run_stays_in_its_own_lane(kernel: PagedDecodeKernel) -> None:
+    """A run's rows share every vector of the lanes worker: a NaN query poisons its own (query, head) only."""
+    q, k_pool, v_pool, group = chain_case([(20, 7)], 8, 2, 32, page_size=4, seed=6)
+    q[4, 5, 0] = float("nan")  # query 4 of the run, head 5 (kv head 1's second)
+    out = kernel(q, k_pool, v_pool, group.page_tables, group.kv_lens, 4, 0, 0.2, group.runs)
+    assert out[4, 5].isnan().all()
+    nan = out.isnan().any(dim=-1)  # [B, H]
+    nan[4, 5] = False
+    assert not nan.any()
+
+
+def test_plain_decodes_have_no_runs() -> None:
+    """Single-token decodes keep the one-query path (runs None): the lanes worker would leave most lanes idle."""
+    _, _, _, group = random_case([3, 30, 1], 4, 2, 32, page_size=4, seed=2)
+    assert group.runs is None
 
 
 def test_build_is_cached_by_source_compiler_and_flags(toolchain: Toolchain, tmp_path: Path) -> None:
