@@ -20,6 +20,12 @@ The modes' stacks are all up at once and take turns: each workload is cut into `
 segment runs on every mode before the next (in a rotating order), so that the machine's drift (10% within minutes
 on a shared machine) falls on every mode alike instead of on whichever ran last.
 
+In a segment each stream sends ``--per-stream`` requests, one after another, as the clients of a serving benchmark
+at a fixed concurrency do (SGLang's bench_serving --max-concurrency): a request that ends early frees its slot for
+the stream's next. ``--per-stream 1`` makes every segment at 32 streams one synchronized batch of 32 that must
+wait for its slowest request; speculation, whose requests end at different steps (a verify keeps 1.6 to 5.5 tokens
+depending on the request), is at its worst there (docs/speculative.md, twenty-third session).
+
 Printed: output tokens per second of wall time for each, the acceptance length (tokens per verify: accepted drafts
 plus the sampled one), and the ratios spec+overlap / plain and spec+overlap / spec; beside spec+overlap / plain, two
 standard errors of the mean of its per-round ratios (±2se). Each round's two halves ran in the same minute, so at 32
@@ -46,7 +52,7 @@ over the compiled regex and a JSON schema), time per node p50 / p99. Under each 
 went in each mode (StepShare, from the executor's GetState): the wall time per executor step, the step's own time
 on the executor, of it the time before the forward (and of that, drafting), in it, and waiting for masks past it.
 
-    .venv/bin/python bench/spec.py [--streams 1 8 32] [--max-new 96] [--algorithms draft ngram]
+    .venv/bin/python bench/spec.py [--streams 1 8 32] [--max-new 96] [--algorithms draft ngram] [--per-stream 4]
         [--target PATH] [--draft PATH] [--steps 4] [--topk 1] [--grammar-streams 1 32] [--no-grammar]
 """
 
@@ -355,8 +361,8 @@ def bench_grammar(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Gramma
 
 
 def requests(streams: int, args: argparse.Namespace) -> int:
-    """Requests per workload: every round a batch of ``streams`` at least, ``min_requests`` in all at least."""
-    return max(streams * args.rounds, args.min_requests)
+    """Requests per workload: every round ``per_stream`` a stream at least, ``min_requests`` in all at least."""
+    return max(streams * args.per_stream * args.rounds, args.min_requests)
 
 
 def _draft(algorithm: str, args: argparse.Namespace) -> Path | None:
@@ -513,6 +519,9 @@ def main() -> None:
         "--rounds", type=int, default=8, help="segments of each workload, each run on every mode in turn"
     )
     parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument(
+        "--per-stream", type=int, default=4, help="requests each stream sends in a round, one after another"
+    )
     parser.add_argument("--grammar-streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--no-grammar", action="store_true", help="skip the constrained comparison")
     parser.add_argument("--only-grammar", action="store_true", help="only the constrained comparison")
@@ -524,6 +533,7 @@ def main() -> None:
     if args.cores is not None:
         os.sched_setaffinity(0, args.cores.rest)  # before any thread of this process starts: they all inherit it
     print(f"target {args.target or 'embedded'}, draft {args.draft or 'embedded draft'}, greedy, {args.max_new} tokens")
+    print(f"{args.rounds} rounds, {args.per_stream} requests a stream a round")
     print(args.cores.describe() if args.cores is not None else "no core pinning")
     if not args.only_grammar:
         print(_HEADER, flush=True)
