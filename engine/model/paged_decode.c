@@ -193,12 +193,12 @@ static void attend(const PagedDecodeArgs *a, int64_t b, int64_t kvh0, int64_t kv
 }
 
 /* A run of queries of one sequence (a verify's chain), one kv head `kvh`: its rows row0 .. row0 + nrows - 1 (row
- * j * G + g is query j's query head g of the kv head), up to ORD_LANES of them, are the lanes of every vector, so that each key is read once for all of
- * them and no dot product needs a horizontal sum: a key's scores are `dim` multiply-adds of the transposed queries
- * by the key's elements, its softmax a lane-wise max and exp, its values `dim` multiply-adds of the lanes'
- * probabilities. Query j sees the keys [first_j, lens[j]) (a chain's later queries one key more each); key
- * positions are compared as floats, exact below 2^24. q and out point at query 0's row (rows q_stride floats
- * apart). scratch: [ORD_LANES * (keys spanned + 2 * dim + 4)]. dim is a multiple of 8. */
+ * j * G + g is query j's query head g of the kv head), up to ORD_LANES of them, are the lanes of every vector, so
+ * that each key is read once for all of them and no dot product needs a horizontal sum: a key's scores are `dim`
+ * multiply-adds of the transposed queries by the key's elements, its softmax a lane-wise max and exp, its values
+ * `dim` multiply-adds of the lanes' probabilities. Query j sees the keys [first_j, lens[j]) (a chain's later
+ * queries one key more each); key positions are compared as floats, exact below 2^24. q and out point at query 0's
+ * row (rows q_stride floats apart). scratch: [ORD_LANES * (keys spanned + 2 * dim + 4)]. dim is a multiple of 8. */
 #define ORD_LANES 16
 ORD_INLINE void attend_lanes_dim(const PagedDecodeArgs *a, const int64_t *pages, const int64_t *lens, int64_t kvh,
                                  int64_t row0, int64_t nrows, const float *q, float *out, int64_t q_stride,
