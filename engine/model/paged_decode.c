@@ -19,8 +19,11 @@
  * Two workers. A single query (a decode) takes `attend`: each key row is read once for the query heads of its kv
  * heads, a dot product a head. A run of queries takes `attend_lanes`, whose vector lanes are the run's rows (query
  * j, query head g of one kv head): a key is read once for all of them and no score needs a horizontal sum. At a
- * verify of seven queries over 64-128 keys (head_dim 32, 2 query heads a kv head) that is about three times
- * faster than seven single queries; for one query, whose two rows would leave fourteen lanes idle, it is slower.
+ * verify of seven queries over 64-128 keys (head_dim 32, 2 query heads a kv head) that is 2-2.5 times faster than
+ * seven single queries; for one query, whose two rows would leave fourteen lanes idle, it is slower. Both add in
+ * one order (canonical_dot, key_order_sum, the value sums in key order), so a query's output is the same bits
+ * whichever worker computes it: a verify's node gets the logits a decode of its token gets, and a greedy verify
+ * accepts exactly what plain greedy decoding writes.
  */
 
 #include <math.h>
@@ -83,6 +86,41 @@ ORD_INLINE void prefetch_row(const float *row, int64_t width) {
     for (int64_t x = 0; x < width; x += 16) __builtin_prefetch(row + x, 0, 3);
 }
 
+/* q . k in the one order both workers use: element d into part d % 8 (in order of d), then the parts added
+ * pairwise, halving: 4, 2, 1. One order for both keeps a verify's node bit for bit equal to a decode of its token;
+ * eight parts keep a single query's dot product a vector wide and a run's eight accumulators a key in registers. */
+ORD_INLINE float canonical_dot(const float *q, const float *k, const int64_t dim) {
+    float part[8] = {0};
+    if (dim % 8 == 0) {
+        for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+#pragma omp simd
+            for (int64_t m = 0; m < 8; ++m) part[m] += q[d0 + m] * k[d0 + m];
+        }
+    } else {
+        for (int64_t d = 0; d < dim; ++d) part[d % 8] += q[d] * k[d];
+    }
+    for (int64_t half = 4; half >= 1; half /= 2)
+        for (int64_t m = 0; m < half; ++m) part[m] += part[m + half];
+    return part[0];
+}
+
+/* The sum of x[0 .. n) (the numerators of keys first .. first + n - 1) in the order attend_lanes sums them: key t
+ * into part t % 16 in key order, then the parts 0 .. 15 in turn. One order for both workers keeps a verify's node
+ * bit for bit equal to a decode of its token, and sixteen parts keep the loop vectorized. */
+ORD_INLINE float key_order_sum(const float *x, int64_t first, int64_t n) {
+    float part[16] = {0};
+    int64_t j = 0;
+    for (; j < n && (first + j) % 16 != 0; ++j) part[(first + j) % 16] += x[j];
+    for (; j + 16 <= n; j += 16) {
+#pragma omp simd
+        for (int64_t r = 0; r < 16; ++r) part[r] += x[j + r];
+    }
+    for (; j < n; ++j) part[(first + j) % 16] += x[j];
+    float sum = 0.0f;
+    for (int64_t r = 0; r < 16; ++r) sum += part[r];
+    return sum;
+}
+
 /* Sequence b, kv heads [kvh0, kvh0 + kv_count): the kv_count * G query heads involved are contiguous in q and
  * out (q and out point at the first one). Each key and value row is read once for its G query heads, and
  * with several kv heads per call a page is read as one contiguous block. `dim` is a compile-time constant
@@ -122,14 +160,8 @@ ORD_INLINE void attend_dim(const PagedDecodeArgs *a, int64_t b, int64_t kvh0, in
         float *s = scores + (t - first);
         for (int64_t r = 0; r < run; ++r, k_row += row_stride) {
             prefetch_row(k_next + r * row_stride, width);
-            for (int64_t i = 0; i < nq; ++i) {
-                const float *qi = q_scaled + i * dim;
-                const float *k = k_row + kv_of[i] * dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; ++d) dot += qi[d] * k[d];
-                s[i * n + r] = dot;
-            }
+            for (int64_t i = 0; i < nq; ++i)
+                s[i * n + r] = canonical_dot(q_scaled + i * dim, k_row + kv_of[i] * dim, dim);
         }
         t += run;
     }
@@ -144,12 +176,9 @@ ORD_INLINE void attend_dim(const PagedDecodeArgs *a, int64_t b, int64_t kvh0, in
             max = s[j] > max ? s[j] : max;
             poison += s[j] * 0.0f;
         }
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-            s[j] = exp_nonpositive(s[j] - max);
-            sum += s[j];
-        }
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - max);
+        const float sum = key_order_sum(s, first, n);
         q_scaled[i] = poison == 0.0f ? 1.0f / sum : NAN; /* q is no longer needed: reuse it for 1 / sum */
     }
 
@@ -194,9 +223,9 @@ static void attend(const PagedDecodeArgs *a, int64_t b, int64_t kvh0, int64_t kv
 
 /* A run of queries of one sequence (a verify's chain), one kv head `kvh`: its rows row0 .. row0 + nrows - 1 (row
  * j * G + g is query j's query head g of the kv head), up to ORD_LANES of them, are the lanes of every vector, so
- * that each key is read once for all of them and no dot product needs a horizontal sum: a key's scores are `dim`
- * multiply-adds of the transposed queries by the key's elements, its softmax a lane-wise max and exp, its values
- * `dim` multiply-adds of the lanes' probabilities. Query j sees the keys [first_j, lens[j]) (a chain's later
+ * that each key is read once for all of them: a key's scores are `dim` multiply-adds of the transposed queries by
+ * the key's elements (in canonical_dot's parts, added pairwise lane by lane), its softmax a lane-wise max and exp,
+ * its values `dim` multiply-adds of the lanes' probabilities. Query j sees the keys [first_j, lens[j]) (a chain's later
  * queries one key more each); key positions are compared as floats, exact below 2^24. q and out point at query 0's
  * row (rows q_stride floats apart). scratch: [ORD_LANES * (keys spanned + 2 * dim + 4)]. dim is a multiple of 8. */
 #define ORD_LANES 16
@@ -235,33 +264,37 @@ ORD_INLINE void attend_lanes_dim(const PagedDecodeArgs *a, const int64_t *pages,
         for (int64_t d = 0; d < dim; ++d) qt[d * ORD_LANES + l] = 0.0f;
     float poison[ORD_LANES] = {0}; /* NaN where a visible score is NaN or infinite, which the clamped exp would hide */
 
-    /* Pass 1: every key's scores for all lanes, four keys at a time (four independent chains of multiply-adds),
-     * masked to each lane's keys; the lane-wise running max. */
+    /* Pass 1: every key's scores for all lanes, each in canonical_dot's order, two keys at a time (sixteen
+     * independent chains of multiply-adds), masked to each lane's keys; the lane-wise running max. */
     for (int64_t t = lo; t < hi;) {
         const int64_t offset = t % page_size;
         const int64_t run = (page_size - offset < hi - t) ? page_size - offset : hi - t;
         const float *k_row = a->k_pool + (pages[t / page_size] * page_size + offset) * row_stride + kvh * dim;
-        for (int64_t r = 0; r < run; r += 4) {
-            const int64_t n4 = run - r < 4 ? run - r : 4;
+        for (int64_t r = 0; r < run; r += 2) {
             const float *k0 = k_row + r * row_stride;
-            const float *k1 = k0 + (n4 > 1 ? row_stride : 0), *k2 = k0 + (n4 > 2 ? 2 * row_stride : 0);
-            const float *k3 = k0 + (n4 > 3 ? 3 * row_stride : 0);
-            float d0[ORD_LANES] = {0}, d1[ORD_LANES] = {0}, d2[ORD_LANES] = {0}, d3[ORD_LANES] = {0};
-            for (int64_t d = 0; d < dim; ++d) {
-                const float x0 = k0[d], x1 = k1[d], x2 = k2[d], x3 = k3[d];
+            const float *k1 = k0 + (r + 1 < run ? row_stride : 0);
+            float u[8][ORD_LANES] = {{0}}, w[8][ORD_LANES] = {{0}};
+            for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+                for (int64_t m = 0; m < 8; ++m) {
+                    const float x0 = k0[d0 + m], x1 = k1[d0 + m];
+                    const float *qd = qt + (d0 + m) * ORD_LANES;
 #pragma omp simd
-                for (int64_t l = 0; l < ORD_LANES; ++l) {
-                    const float ql = qt[d * ORD_LANES + l];
-                    d0[l] += ql * x0;
-                    d1[l] += ql * x1;
-                    d2[l] += ql * x2;
-                    d3[l] += ql * x3;
+                    for (int64_t l = 0; l < ORD_LANES; ++l) {
+                        u[m][l] += qd[l] * x0;
+                        w[m][l] += qd[l] * x1;
+                    }
                 }
             }
-            const float *const dots[4] = {d0, d1, d2, d3};
-            for (int64_t i = 0; i < n4; ++i) {
+            for (int64_t half = 4; half >= 1; half /= 2)
+                for (int64_t m = 0; m < half; ++m)
+#pragma omp simd
+                    for (int64_t l = 0; l < ORD_LANES; ++l) {
+                        u[m][l] += u[m + half][l];
+                        w[m][l] += w[m + half][l];
+                    }
+            for (int64_t i = 0; i < 2 && r + i < run; ++i) {
+                const float *dot = i == 0 ? u[0] : w[0];
                 float *s = p + (t + r + i - lo) * ORD_LANES;
-                const float *dot = dots[i];
                 const float key = (float)(t + r + i);
 #pragma omp simd
                 for (int64_t l = 0; l < ORD_LANES; ++l) {
@@ -274,18 +307,25 @@ ORD_INLINE void attend_lanes_dim(const PagedDecodeArgs *a, const int64_t *pages,
         }
         t += run;
     }
-    /* Softmax numerators (0 for a key the lane does not see); 1 / sum is applied at the end. */
+    /* Softmax numerators (0 for a key the lane does not see), summed as key_order_sum does (key t into part t % 16,
+     * then the parts in turn: adding a 0 changes no sum); 1 / sum is applied at the end. */
+    float parts[16][ORD_LANES];
+    for (int64_t m = 0; m < 16; ++m)
+        for (int64_t l = 0; l < ORD_LANES; ++l) parts[m][l] = 0.0f;
     for (int64_t t = 0; t < hi - lo; ++t) {
         float *s = p + t * ORD_LANES;
+        float *part = parts[(t + lo) % 16];
         const float key = (float)(t + lo);
 #pragma omp simd
         for (int64_t l = 0; l < ORD_LANES; ++l) {
             const int seen = key >= lo_l[l] && key < hi_l[l];
             const float e = exp_nonpositive(seen ? s[l] - mx[l] : 0.0f);
             s[l] = seen ? e : 0.0f;
-            sum[l] += s[l];
+            part[l] += s[l];
         }
     }
+    for (int64_t m = 0; m < 16; ++m)
+        for (int64_t l = 0; l < ORD_LANES; ++l) sum[l] += parts[m][l];
     /* Pass 2: acc[d][lane] = sum_t p[t][lane] * v_t[d], eight elements of d at a time: eight accumulators stay in
      * registers over every key. */
     for (int64_t d0 = 0; d0 < dim; d0 += 8) {
