@@ -178,11 +178,7 @@ class PagedDecodeKernel:
         and the model's checks do); shapes, dtypes and layout are checked here.
         """
         batch, heads, head_dim = q.shape
-        _check_args(q, k_pool, v_pool, page_tables, kv_lens, page_size, window)
-        if runs is not None and (runs.dtype != torch.int64 or runs.device.type != "cpu" or runs.dim() != 1):
-            raise ValueError(f"runs must be a 1-D CPU int64 tensor, got {runs.dtype} {tuple(runs.shape)}")
-        if runs is not None and not runs.is_contiguous():
-            raise ValueError("runs must be contiguous")
+        _check_args(q, k_pool, v_pool, page_tables, kv_lens, page_size, window, runs)
         q = q.contiguous()
         out = torch.empty_like(q)  # [B, H, D]
         status = self.library.ordinal_paged_decode(
@@ -217,6 +213,7 @@ def _check_args(
     kv_lens: torch.Tensor,
     page_size: int,
     window: int,
+    runs: torch.Tensor | None = None,
 ) -> None:
     # Cheap structural checks only: a wrong layout here would be a silent out-of-bounds read in C.
     batch, heads, head_dim = q.shape
@@ -239,6 +236,10 @@ def _check_args(
         raise ValueError(f"page_tables {tuple(page_tables.shape)} / kv_lens {tuple(kv_lens.shape)} vs batch {batch}")
     if page_size <= 0 or window < 0 or k_pool.shape[0] % page_size != 0:
         raise ValueError(f"bad page_size {page_size} or window {window} for a pool of {k_pool.shape[0]} slots")
+    if runs is not None and (runs.dtype != torch.int64 or runs.device.type != "cpu" or runs.dim() != 1):
+        raise ValueError(f"runs must be a 1-D CPU int64 tensor, got {runs.dtype} {tuple(runs.shape)}")
+    if runs is not None and not runs.is_contiguous():
+        raise ValueError("runs must be contiguous")
 
 
 def paged_decode_kernel() -> PagedDecodeKernel | None:
